@@ -1,0 +1,161 @@
+"""The ``kv-press-text-generation`` pipeline: prefill a long context under a press, then answer questions.
+
+The context is prefilled once under the press; each question is then answered greedily against that same
+compressed context, with true RoPE positions (a question starts at the context's length, whatever was evicted).
+Between questions the cache and the press's per-sequence state are restored to their state right after the
+prefill, so neither a question's tokens nor decoding-time evictions leak into the next answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, Pipeline
+from transformers.pipelines import PIPELINE_REGISTRY
+
+from kvzap import _compat
+from kvzap.cache import restore_cache, snapshot_cache
+from kvzap.presses.base import BasePress
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KVPressTextGenerationPipeline", "TASK_NAME", "register_pipeline"]
+
+TASK_NAME = "kv-press-text-generation"
+
+
+class KVPressTextGenerationPipeline(Pipeline):
+    """Answer questions about a long context whose KV cache is pruned by a press.
+
+    Call with ``pipe(context, question=..., press=...)`` (returns ``{"answer": str}``) or
+    ``pipe(context, questions=[...], press=...)`` (returns ``{"answers": list[str]}``).
+
+    Parameters (call-time)
+    ----------------------
+    question / questions : one question, or several answered against the same compressed context.
+    answer_prefix : text the answer starts with (after the chat template's generation prompt).
+    press : a kvzap press, or None for a full cache.
+    max_new_tokens : int, default 50.
+    max_context_length : int, the context is truncated (with a warning) beyond this many tokens.
+    enable_thinking : bool, passed to chat templates that support it (Qwen3).
+    cache : a ``transformers.DynamicCache`` to fill (one is created when None).
+    """
+
+    def _sanitize_parameters(
+        self,
+        question: str | None = None,
+        questions: list[str] | None = None,
+        answer_prefix: str | None = None,
+        press: BasePress | None = None,
+        max_new_tokens: int = 50,
+        max_context_length: int | None = None,
+        enable_thinking: bool = False,
+        cache: DynamicCache | None = None,
+        **kwargs: Any,
+    ):
+        if kwargs:
+            raise TypeError(f"Unknown argument(s) for {TASK_NAME}: {', '.join(sorted(kwargs))}.")
+        if question is not None and questions is not None:
+            raise ValueError("Pass either `question` or `questions`, not both.")
+        if questions is not None and (isinstance(questions, str) or not questions):
+            raise ValueError("`questions` must be a non-empty list of strings; use `question=` for a single one.")
+        if press is not None and not isinstance(press, BasePress):
+            raise TypeError(f"press must be a kvzap press (e.g. DMSThresholdPress), got {type(press).__name__}.")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
+        if max_context_length is not None and (not isinstance(max_context_length, int) or max_context_length < 1):
+            raise ValueError(f"max_context_length must be a positive int, got {max_context_length!r}.")
+        if cache is not None and not isinstance(cache, DynamicCache):
+            raise TypeError(f"cache must be a transformers.DynamicCache, got {type(cache).__name__}.")
+        preprocess = {
+            "questions": list(questions) if questions is not None else [question or ""],
+            "answer_prefix": answer_prefix or "",
+            "max_context_length": max_context_length,
+            "enable_thinking": enable_thinking,
+        }
+        forward = {"press": press, "max_new_tokens": max_new_tokens, "cache": cache}
+        postprocess = {"single_question": questions is None}
+        return preprocess, forward, postprocess
+
+    def preprocess(self, context: str, questions, answer_prefix, max_context_length, enable_thinking):
+        if not isinstance(context, str):
+            raise TypeError(f"context must be a string, got {type(context).__name__}.")
+        tokenizer = self.tokenizer
+        if tokenizer.chat_template is None:
+            context = (tokenizer.bos_token or "") + context
+            suffix = "\n"
+        else:
+            # Render the chat around a unique marker: what precedes it is the context turn, what follows it
+            # (end of the user turn, start of the assistant turn) goes after each question.
+            marker = "\x00KVZAP_QUESTION\x00"
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": context + marker}],
+                add_generation_prompt=True,
+                tokenize=False,
+                enable_thinking=enable_thinking,
+            )
+            context, suffix = rendered.split(marker)
+        context_ids = tokenizer.encode(context, return_tensors="pt", add_special_tokens=False)
+        limit = max_context_length or tokenizer.model_max_length
+        if limit is not None and context_ids.shape[1] > limit:
+            logger.warning("Context truncated from %d to %d tokens.", context_ids.shape[1], limit)
+            context_ids = context_ids[:, :limit]
+        question_ids = [
+            tokenizer.encode(q + suffix + answer_prefix, return_tensors="pt", add_special_tokens=False)
+            for q in questions
+        ]
+        return {"context_ids": context_ids, "question_ids": question_ids}
+
+    def _forward(self, inputs, press: BasePress | None = None, max_new_tokens: int = 50, cache=None):
+        model = self.model
+        context_ids = inputs["context_ids"].to(model.device)
+        cache = cache if cache is not None else _compat.new_dynamic_cache(model)
+        cache_kw = _compat.cache_kwarg_name(model)
+        n_context = context_ids.shape[1]
+        with press(model) if press is not None else contextlib.nullcontext():
+            # Prefill: only the cache is needed, so skip the vocabulary projection of all but one token.
+            model(input_ids=context_ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+            questions = inputs["question_ids"]
+            checkpoint = snapshot_cache(cache) if len(questions) > 1 else None
+            answers = []
+            for i, question_ids in enumerate(questions):
+                if i > 0:
+                    restore_cache(cache, checkpoint)
+                answers.append(self._answer(question_ids.to(model.device), cache, cache_kw, n_context, max_new_tokens))
+        return answers
+
+    def _answer(self, question_ids: torch.Tensor, cache, cache_kw: str, start: int, max_new_tokens: int) -> str:
+        """Greedy decoding from ``question_ids`` placed right after ``start`` context tokens."""
+        model = self.model
+        eos = model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        ids = question_ids
+        if ids.shape[1] == 0:  # no question and no template suffix: continue from the context's last token
+            raise ValueError("The question is empty and the tokenizer has no chat template: pass a question.")
+        position = start
+        generated: list[int] = []
+        for _ in range(max_new_tokens):
+            positions = torch.arange(position, position + ids.shape[1], device=ids.device)[None]
+            logits = model(
+                input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_kw: cache}
+            ).logits
+            position += ids.shape[1]
+            token = int(logits[0, -1].argmax())
+            generated.append(token)
+            if token in eos:
+                break
+            ids = torch.tensor([[token]], device=ids.device)
+        return self.tokenizer.decode(generated, skip_special_tokens=True)
+
+    def postprocess(self, answers, single_question: bool):
+        return {"answer": answers[0]} if single_question else {"answers": answers}
+
+
+def register_pipeline() -> None:
+    """Register the task with transformers' pipeline registry (done when ``kvzap`` is imported)."""
+    PIPELINE_REGISTRY.register_pipeline(
+        TASK_NAME, pipeline_class=KVPressTextGenerationPipeline, pt_model=AutoModelForCausalLM
+    )

@@ -1,0 +1,19 @@
+"""Scorers (how important is a KV pair) and presses (what to evict, applied with ``with press(model):``)."""
+
+from kvzap.presses.base import BasePress, Scorer
+from kvzap.presses.baseline_scorers import ConstantScorer, KeyNormScorer, RandomScorer, RecencyScorer
+from kvzap.presses.kvzap_scorer import KVzapScorer
+from kvzap.presses.threshold import DMSThresholdPress
+from kvzap.presses.topk import TopKPress
+
+__all__ = [
+    "BasePress",
+    "Scorer",
+    "KVzapScorer",
+    "RandomScorer",
+    "KeyNormScorer",
+    "RecencyScorer",
+    "ConstantScorer",
+    "DMSThresholdPress",
+    "TopKPress",
+]

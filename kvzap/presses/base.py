@@ -1,0 +1,210 @@
+"""Scorers say how important each new KV pair is; presses decide what to evict and apply it to a model.
+
+A press is applied with ``with press(model): ...``. Entering validates everything (model, press parameters,
+scorer weights) before touching the model, then switches the model to kvzap's attention function and registers
+one forward pre-hook and one forward hook per attention layer. Exiting removes them and restores the attention
+implementation, even when the body raises, so the model is left exactly as it was found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from kvzap import _compat
+from kvzap.attention import ATTENTION_NAME, bind, ensure_registered, unbind
+from kvzap.cache import PrunableLayer, prunable_layer_like
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Scorer", "BasePress"]
+
+
+class Scorer(ABC):
+    """Maps the new tokens of one attention layer to importance scores, higher = more important.
+
+    Subclasses implement :meth:`score`; :meth:`setup` runs once when a press is applied to a model and must
+    raise (``ValueError``/``TypeError``/``FileNotFoundError``) before anything is changed if the scorer
+    cannot serve this model.
+    """
+
+    #: False for scorers that need the whole context at once (oracles): they cannot score decoded tokens.
+    supports_decoding: ClassVar[bool] = True
+
+    def setup(self, model: PreTrainedModel) -> None:
+        """Prepare for ``model`` (load and place weights once). Default: nothing to do."""
+
+    @abstractmethod
+    def score(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """Score the ``q`` new pairs of one layer.
+
+        Parameters
+        ----------
+        module : the attention module (``module.layer_idx`` is its layer).
+        hidden_states : ``(B, q, D)`` hidden states entering attention (after the input layernorm).
+        keys, values : ``(B, H, q, d)`` the new pairs (keys after RoPE), H = KV heads.
+        positions : ``(q,)`` absolute positions of the new tokens.
+
+        Returns
+        -------
+        Tensor ``(B, H, q)``.
+        """
+
+
+@dataclass
+class BasePress(ABC):
+    """Applies a pruning policy to a model through ``with press(model):``.
+
+    Subclasses implement :meth:`process_layer`, called after each attention layer's forward with the layer's
+    prunable cache, and say what they do through :attr:`prunes_during_decoding` (read by the pipeline).
+    """
+
+    _stats: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _calls: dict[nn.Module, tuple[PrunableLayer, bool]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    # --- what a press states about itself ------------------------------------------------------------------
+    @property
+    def prunes_during_decoding(self) -> bool:
+        """True if the press changes the cache after the prefill (generated or question tokens)."""
+        return False
+
+    def validate(self) -> None:
+        """Raise ValueError/TypeError for invalid parameters. Called at construction and on entering."""
+
+    def setup(self, model: PreTrainedModel) -> None:
+        """Prepare for ``model`` before any hook is registered (e.g. load scorer weights)."""
+
+    @abstractmethod
+    def process_layer(self, module: nn.Module, layer: PrunableLayer, hidden_states: torch.Tensor, prefill: bool):
+        """Decide evictions for one layer after its attention ran; ``prefill`` is True on a sequence's first
+        forward."""
+
+    # --- statistics -------------------------------------------------------------------------------------------
+    def _record(self, layer_idx: int, layer: PrunableLayer) -> None:
+        self._stats[layer_idx] = (layer.n_evicted, layer.seen)
+
+    def _require_stats(self) -> list[tuple[torch.Tensor, int]]:
+        if not self._stats:
+            raise RuntimeError(
+                "No compression statistics yet: run a forward pass (or the pipeline) under `with press(model):` first."
+            )
+        return [self._stats[i] for i in sorted(self._stats)]
+
+    @property
+    def layer_compression_ratios(self) -> torch.Tensor:
+        """``(n_layers,)`` evicted share of the pairs seen, per layer (averaged over batch and KV heads)."""
+        return torch.tensor([float(n.sum()) / (n.numel() * seen) for n, seen in self._require_stats()])
+
+    @property
+    def head_compression_ratios(self) -> torch.Tensor:
+        """``(n_layers, kv_heads)`` evicted share per layer and KV head (averaged over the batch)."""
+        return torch.stack([n.float().mean(0).cpu() / seen for n, seen in self._require_stats()])
+
+    @property
+    def sample_compression_ratios(self) -> torch.Tensor:
+        """``(batch,)`` evicted share per sequence of the batch (averaged over layers and KV heads)."""
+        return torch.stack([n.float().mean(1).cpu() / seen for n, seen in self._require_stats()]).mean(0)
+
+    @property
+    def compression_ratio(self) -> float:
+        """Share of KV pairs evicted in the last sequence, averaged over layers (read-only)."""
+        return float(self.layer_compression_ratios.mean())
+
+    # --- applying the press ------------------------------------------------------------------------------------
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        cache = _compat.cache_from_kwargs(kwargs)
+        if cache is None:  # use_cache=False: nothing to prune
+            unbind([module])
+            return None
+        idx = _compat.layer_index(module)
+        layers = cache.layers
+        if idx == 0:
+            _check_cache_layers(layers)
+        if len(layers) <= idx:
+            # Lazily built cache (DynamicCache() without a config): create this layer ourselves.
+            layers.extend(prunable_layer_like(_compat.DynamicLayer()) for _ in range(idx + 1 - len(layers)))
+        layer = layers[idx]
+        if not isinstance(layer, PrunableLayer):
+            layer = layers[idx] = prunable_layer_like(layer)
+        prefill = layer.seen == 0
+        if prefill and idx == 0:
+            self._stats.clear()
+        bind(module, layer)
+        self._calls[module] = (layer, prefill)
+        return None
+
+    def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        call = self._calls.pop(module, None)
+        if call is None:
+            return None
+        layer, prefill = call
+        hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+        if self.process_layer(module, layer, hidden_states, prefill) is not False:
+            self._record(_compat.layer_index(module), layer)
+        return None
+
+    @staticmethod
+    def _padding_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if _compat.padded_rows(kwargs.get("attention_mask")):
+            raise ValueError(
+                "kvzap presses do not support padded batches (the attention mask contains zeros): "
+                "run sequences of equal length together, or one at a time."
+            )
+
+    @contextlib.contextmanager
+    def __call__(self, model: PreTrainedModel) -> Iterator[PreTrainedModel]:
+        """Apply the press to ``model`` for the duration of the ``with`` block."""
+        # Everything that can fail on bad input happens before the model is touched.
+        _compat.check_supported_model(model)
+        self.validate()
+        if model.config._attn_implementation == ATTENTION_NAME:
+            raise RuntimeError("A kvzap press is already applied to this model; presses cannot be nested.")
+        self.setup(model)
+        modules = _compat.attention_modules(model)
+        ensure_registered()
+
+        original_attn = model.config._attn_implementation
+        handles = []
+        try:
+            model.set_attn_implementation(ATTENTION_NAME)
+            handles.append(_compat.decoder_model(model).register_forward_pre_hook(self._padding_hook, with_kwargs=True))
+            for module in modules:
+                handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+                handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
+            yield model
+        finally:
+            for handle in handles:
+                handle.remove()
+            unbind(modules)
+            self._calls.clear()
+            if model.config._attn_implementation != original_attn:
+                model.set_attn_implementation(original_attn)
+
+
+def _check_cache_layers(layers: list) -> None:
+    for layer in layers:
+        if isinstance(layer, PrunableLayer):
+            continue
+        prunable_layer_like(layer)  # raises TypeError for layers we cannot prune
+        if layer.get_seq_length() > 0:
+            raise ValueError(
+                "The cache already holds tokens that were processed without the press. Apply the press before "
+                "the first forward of the sequence (prefill under `with press(model):`), or pass a fresh cache."
+            )

@@ -1,0 +1,54 @@
+"""A fixed-ratio baseline: evict the lowest-scoring share of the prompt's pairs, per KV head, after prefill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvzap.cache import PrunableLayer
+from kvzap.presses.base import BasePress, Scorer
+
+__all__ = ["TopKPress"]
+
+
+@dataclass
+class TopKPress(BasePress):
+    """Keep the ``1 - target_compression`` highest-scoring pairs of every (sequence, KV head) after prefill.
+
+    Parameters
+    ----------
+    scorer : Scorer
+    target_compression : float in [0, 1)
+        Share of the prompt's pairs to evict in each head. Tokens generated later are never evicted.
+    """
+
+    scorer: Scorer = None  # type: ignore[assignment]
+    target_compression: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.scorer, Scorer):
+            raise TypeError(f"scorer must be a kvzap Scorer, got {type(self.scorer).__name__}.")
+        ratio = self.target_compression
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+            raise ValueError(f"target_compression must be a number in [0, 1), got {ratio!r}.")
+
+    def setup(self, model) -> None:
+        self.scorer.setup(model)
+
+    def process_layer(self, module: nn.Module, layer: PrunableLayer, hidden_states: torch.Tensor, prefill: bool):
+        if not prefill:
+            return False
+        q_len = hidden_states.shape[1]
+        n_evict = int(q_len * self.target_compression)
+        if n_evict > 0:
+            positions = torch.arange(layer.seen - q_len, layer.seen, device=hidden_states.device)
+            scores = self.scorer.score(module, hidden_states, layer.last_keys, layer.last_values, positions)
+            lowest = scores.topk(n_evict, dim=-1, largest=False).indices  # (B, H, n_evict)
+            mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, lowest, True)
+            layer.evict(layer.seen - q_len, mask)
+        return True

@@ -1,0 +1,299 @@
+"""Save and load surrogate checkpoints in the published ``nvidia/KVzap-*`` format.
+
+A checkpoint is a directory (local, or a Hugging Face Hub repo) holding two files:
+
+- ``config.json``: a JSON object with a ``model_type`` field plus the constructor arguments of the
+  surrogate. Extra keys written by ``transformers`` (``architectures``, ``transformers_version``,
+  ``torch_dtype``...) are tolerated and ignored.
+- ``model.safetensors``: the state dict of the surrogate.
+
+Nothing here is specific to KVzap: other surrogate families (e.g. Fast KVzip gates) reuse these helpers
+with their own ``model_type`` and fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from safetensors.torch import save_file
+from torch import nn
+
+__all__ = [
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
+    "SurrogateNotFoundError",
+    "load_state_dict_strict",
+    "read_config",
+    "resolve_checkpoint_files",
+    "write_checkpoint",
+]
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+_HOW_TO_FIX = (
+    "To fix it, pass a local directory that holds config.json and model.safetensors, "
+    "train a surrogate for this model with `python -m train`, "
+    "or go online (unset HF_HUB_OFFLINE, check the repo id, and pass token= for a private or gated repo)."
+)
+
+# What hf_hub_download raises when the file cannot be had: no network, offline mode, no such repo,
+# revision or file, gated/private repo, invalid repo id. Other errors (disk full, proxy misconfigured)
+# propagate unchanged because "surrogate not found" would mislead.
+_HUB_NOT_FOUND_ERRORS: tuple[type[BaseException], ...] = (
+    EntryNotFoundError,  # includes LocalEntryNotFoundError (not cached while offline) and the remote one
+    HfHubHTTPError,  # includes RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, 5xx
+    OfflineModeIsEnabled,
+    ConnectionError,
+    TimeoutError,
+    HFValidationError,
+)
+
+
+class SurrogateNotFoundError(FileNotFoundError):
+    """No surrogate checkpoint could be found locally or downloaded from the Hugging Face Hub.
+
+    The message names what was tried and how to fix it.
+    """
+
+
+def _hub_hint(error: BaseException, filename: str) -> str:
+    """One sentence saying why a Hub download failed, from the exception that huggingface_hub raised."""
+    # Order matters: subclasses before their bases.
+    if isinstance(error, HFValidationError):
+        return "it is not a valid Hub repo id either (expected 'owner/name')"
+    if isinstance(error, GatedRepoError):
+        return "the repo is gated: accept its terms on the Hub and pass token="
+    if isinstance(error, RepositoryNotFoundError):
+        return "the repo does not exist on the Hub, or it is private and no valid token was given"
+    if isinstance(error, RevisionNotFoundError):
+        return "the requested revision does not exist in the repo"
+    if isinstance(error, LocalEntryNotFoundError | OfflineModeIsEnabled | ConnectionError | TimeoutError):
+        return f"the Hub could not be reached (offline mode or no network) and {filename} is not in the local cache"
+    if isinstance(error, EntryNotFoundError):
+        return f"the repo has no file {filename}"
+    return "the Hub answered with an error"
+
+
+def _looks_like_local_path(path: str) -> bool:
+    """Whether a string the user passed was meant as a filesystem path rather than a Hub repo id."""
+    return (
+        os.path.isabs(path)
+        or path.startswith(("./", "../", "~", ".\\", "..\\"))
+        or path in (".", "..")
+        or path.count("/") > 1
+        or "\\" in path
+    )
+
+
+def resolve_checkpoint_files(
+    path_or_repo_id: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    local_files_only: bool | None = None,
+    token: str | bool | None = None,
+) -> tuple[Path, Path]:
+    """Find the ``config.json`` and ``model.safetensors`` files of a checkpoint.
+
+    Parameters
+    ----------
+    path_or_repo_id : str or os.PathLike
+        A local directory if one exists at that path, otherwise a Hugging Face Hub repo id
+        (``"owner/name"``) downloaded with :func:`huggingface_hub.hf_hub_download`.
+    revision, cache_dir, token
+        Passed to ``hf_hub_download``; ignored for a local directory.
+    local_files_only : bool, optional
+        Only look in the Hub cache, never on the network. ``None`` keeps huggingface_hub's default
+        (which honours ``HF_HUB_OFFLINE``).
+
+    Returns
+    -------
+    tuple of Path
+        ``(config_path, weights_path)``.
+
+    Raises
+    ------
+    SurrogateNotFoundError
+        If the local directory lacks a file, or the Hub is unreachable, the repo, revision or file does
+        not exist, or the repo id is invalid.
+    """
+    local = Path(path_or_repo_id).expanduser()
+    if local.is_dir():
+        files = (local / CONFIG_NAME, local / WEIGHTS_NAME)
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise SurrogateNotFoundError(
+                f"The surrogate directory {str(local)!r} has no {' and no '.join(missing)}. "
+                f"A surrogate checkpoint holds {CONFIG_NAME} and {WEIGHTS_NAME}. {_HOW_TO_FIX}"
+            )
+        return files
+    if local.exists():
+        raise SurrogateNotFoundError(
+            f"{str(local)!r} is a file, but a surrogate checkpoint is a directory holding {CONFIG_NAME} and "
+            f"{WEIGHTS_NAME}. Pass the directory instead."
+        )
+
+    repo_id = os.fspath(path_or_repo_id)
+    if _looks_like_local_path(repo_id):
+        raise SurrogateNotFoundError(
+            f"The surrogate directory {repo_id!r} does not exist (and it is not a Hub repo id). {_HOW_TO_FIX}"
+        )
+    downloaded = []
+    for filename in (CONFIG_NAME, WEIGHTS_NAME):
+        try:
+            path = hf_hub_download(
+                repo_id,
+                filename,
+                revision=revision,
+                cache_dir=cache_dir,
+                # None would be rejected by some huggingface_hub versions; False still honours HF_HUB_OFFLINE.
+                local_files_only=bool(local_files_only),
+                token=token,
+            )
+        except _HUB_NOT_FOUND_ERRORS as error:
+            at_revision = f" at revision {revision!r}" if revision else ""
+            raise SurrogateNotFoundError(
+                f"Could not find the surrogate {repo_id!r}: there is no local directory of that name, and "
+                f"downloading {filename} from the Hugging Face Hub repo {repo_id!r}{at_revision} failed because "
+                f"{_hub_hint(error, filename)} ({type(error).__name__}). {_HOW_TO_FIX}"
+            ) from error
+        downloaded.append(Path(path))
+    return downloaded[0], downloaded[1]
+
+
+def read_config(path: str | os.PathLike[str], expected_model_type: str, required: Sequence[str] = ()) -> dict:
+    """Read a checkpoint's ``config.json`` and check its ``model_type`` and required fields.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The ``config.json`` file.
+    expected_model_type : str
+        The value its ``model_type`` field must hold (e.g. ``"kvzap"``).
+    required : sequence of str, optional
+        Fields that must be present (their value may be ``null``).
+
+    Returns
+    -------
+    dict
+        The whole JSON object, extra keys included; the caller picks the fields it knows.
+
+    Raises
+    ------
+    ValueError
+        If the file is not a JSON object, has another ``model_type``, or lacks a required field.
+    """
+    path = Path(path)
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"The surrogate config {str(path)!r} is not valid JSON: {error}.") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"The surrogate config {str(path)!r} must hold a JSON object, not {type(config).__name__}.")
+    model_type = config.get("model_type")
+    if model_type != expected_model_type:
+        raise ValueError(
+            f"The surrogate config {str(path)!r} has model_type {model_type!r}, expected {expected_model_type!r}: "
+            f"this checkpoint is not a {expected_model_type} surrogate."
+        )
+    missing = [name for name in required if name not in config]
+    if missing:
+        raise ValueError(
+            f"The surrogate config {str(path)!r} lacks the field(s) {', '.join(missing)}; "
+            f"a {expected_model_type} config needs {', '.join(required)}."
+        )
+    return config
+
+
+def write_checkpoint(
+    directory: str | os.PathLike[str], config: Mapping[str, object], state_dict: Mapping[str, torch.Tensor]
+) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` into a directory (created if needed).
+
+    Parameters
+    ----------
+    directory : str or os.PathLike
+        Where to write; existing files of the same names are overwritten.
+    config : mapping
+        JSON-serialisable config, written as is (it should hold ``model_type``).
+    state_dict : mapping of str to torch.Tensor
+        The weights; they are detached, moved to CPU and made contiguous, as safetensors requires.
+
+    Returns
+    -------
+    Path
+        The directory.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_NAME).write_text(json.dumps(dict(config), indent=2) + "\n", encoding="utf-8")
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in state_dict.items()}
+    # "format": "pt" is what transformers checks when it reads a safetensors file.
+    save_file(tensors, directory / WEIGHTS_NAME, metadata={"format": "pt"})
+    return directory
+
+
+def _format_list(items: Sequence[str], limit: int = 10) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
+
+
+def load_state_dict_strict(
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor], source: str, *, assign: bool = False
+) -> None:
+    """Load weights into a module after checking that names and shapes match exactly.
+
+    Parameters
+    ----------
+    module : nn.Module
+        The module to fill.
+    state_dict : mapping of str to torch.Tensor
+        The weights to load.
+    source : str
+        Where the weights come from (a file name), for the error message.
+    assign : bool, optional
+        Passed to :meth:`nn.Module.load_state_dict`: ``True`` keeps the tensors of ``state_dict``
+        themselves (their dtype included), which also fills a module built on the ``meta`` device.
+
+    Raises
+    ------
+    ValueError
+        Listing every missing key, unexpected key and shape mismatch.
+    """
+    expected = module.state_dict()
+    missing = [name for name in expected if name not in state_dict]
+    unexpected = [name for name in state_dict if name not in expected]
+    mismatched = [
+        f"{name}: {tuple(state_dict[name].shape)} in the file, {tuple(tensor.shape)} expected"
+        for name, tensor in expected.items()
+        if name in state_dict and state_dict[name].shape != tensor.shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_format_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_format_list(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {_format_list(mismatched)}")
+    if problems:
+        raise ValueError(
+            f"The weights in {source!r} do not match the {type(module).__name__} described by its config "
+            f"({'; '.join(problems)}). The config and the weights must come from the same checkpoint."
+        )
+    module.load_state_dict(state_dict, strict=True, assign=assign)
