@@ -1,0 +1,198 @@
+"""DMSThresholdPress: the eviction rule against a naive reference, logits, ratios and bad input."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from kvzap import DMSPress, DMSThresholdPress, RandomScorer, Scorer
+from kvzap._compat import cache_kwarg_name
+from tests.conftest import FAMILIES, random_ids, tiny_model
+
+
+class RecordingScorer(RandomScorer):
+    """Random scores, remembered per layer with the absolute positions they were given for."""
+
+    def setup(self, model):
+        super().setup(model)
+        self.history = {}
+
+    def score(self, module, hidden_states, keys, values, positions):
+        scores = super().score(module, hidden_states, keys, values, positions)
+        self.history.setdefault(module.layer_idx, []).append((positions.tolist(), scores))
+        return scores
+
+
+class PrefillOnlyScorer(RandomScorer):
+    supports_decoding = False
+
+
+def naive_dms(history, n_total, n_prefill, window, threshold, decoding, shape):
+    """The DMS rule written out token by token: evicted iff scored, outside the final window, below tau."""
+    bsz, heads = shape
+    evicted = torch.zeros(bsz, heads, n_total, dtype=torch.bool)
+    # the window is counted over the tokens seen by the last forward that applied the rule
+    horizon = n_total if decoding else n_prefill
+    for positions, scores in history:
+        for j, p in enumerate(positions):
+            if p >= horizon - window:
+                continue
+            for b in range(bsz):
+                for h in range(heads):
+                    if scores[b, h, j] < threshold:
+                        evicted[b, h, p] = True
+    return evicted
+
+
+def run(model, press, ids, chunks):
+    cache = DynamicCache(config=model.config)
+    kw = cache_kwarg_name(model)
+    logits = []
+    with press(model):
+        start = 0
+        for size in chunks:
+            logits.append(model(ids[:, start : start + size], **{kw: cache}).logits)
+            start += size
+    return cache, torch.cat(logits, dim=1)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 10_000),
+    window=st.integers(0, 12),
+    n_prefill=st.integers(1, 30),
+    steps=st.lists(st.integers(1, 4), max_size=5),
+    threshold=st.floats(-1.5, 1.5),
+    decoding=st.booleans(),
+)
+def test_evicted_set_matches_naive_rule(llama, seed, window, n_prefill, steps, threshold, decoding):
+    scorer = RecordingScorer(seed)
+    press = DMSThresholdPress(scorer, threshold=threshold, sliding_window_size=window, decoding=decoding)
+    chunks = [n_prefill, *steps]
+    ids = random_ids(2, sum(chunks), seed=seed)
+    cache, _ = run(llama, press, ids, chunks)
+    n_total = sum(chunks)
+    for layer_idx, layer in enumerate(cache.layers):
+        expected = naive_dms(scorer.history[layer_idx], n_total, n_prefill, window, threshold, decoding, (2, 2))
+        assert torch.equal(~layer.keep, expected)
+        assert layer.keep[..., max(n_total - window, 0) :].all()  # the window is never evicted
+        assert torch.equal(layer.n_evicted, expected.sum(-1))
+    shares = [float((~layer.keep).float().mean()) for layer in cache.layers]
+    if decoding or not steps:
+        assert press.compression_ratio == pytest.approx(sum(shares) / len(shares))
+
+
+@pytest.mark.parametrize("decoding", [False, True])
+def test_threshold_minus_inf_gives_identical_logits(family, decoding):
+    model = tiny_model(family)
+    ids = random_ids(2, 40)
+    chunks = [30, 4, 1, 1, 1, 1, 1, 1]  # prefill, a question, then token by token (crosses sliding windows)
+    cache = DynamicCache(config=model.config)
+    kw = cache_kwarg_name(model)
+    reference, start = [], 0
+    for size in chunks:
+        reference.append(model(ids[:, start : start + size], **{kw: cache}).logits)
+        start += size
+    press = DMSThresholdPress(RandomScorer(0), threshold=-math.inf, sliding_window_size=4, decoding=decoding)
+    _, logits = run(model, press, ids, chunks)
+    assert torch.equal(logits, torch.cat(reference, dim=1))
+    assert press.compression_ratio == 0.0
+
+
+class SharedHeadsScorer(Scorer):
+    """The same random score for every head, so evictions can be reproduced by slicing a plain cache."""
+
+    def __init__(self, seed=0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def score(self, module, hidden_states, keys, values, positions):
+        bsz, heads, q_len, _ = keys.shape
+        return torch.randn(bsz, 1, q_len, generator=self.generator).expand(bsz, heads, q_len)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "phi3"])
+def test_masked_eviction_equals_physically_deleting_pairs(name):
+    model = tiny_model(name)
+    ids = random_ids(1, 36, seed=1)
+    kw = cache_kwarg_name(model)
+    press = DMSThresholdPress(SharedHeadsScorer(3), threshold=0.0, sliding_window_size=6)
+    cache = DynamicCache(config=model.config)
+    with press(model):
+        model(ids[:, :30], **{kw: cache})
+        keep = [layer.keep[0, 0].clone() for layer in cache.layers]
+        assert not keep[0].all()
+        masked = [model(ids[:, 30:33], **{kw: cache}).logits]
+        masked += [model(ids[:, t : t + 1], **{kw: cache}).logits for t in range(33, 36)]
+
+    # Reference: a plain cache from which the evicted pairs are removed, with true positions passed explicitly.
+    plain = DynamicCache(config=model.config)
+    model(ids[:, :30], **{kw: plain})
+    for layer, k in zip(plain.layers, keep, strict=True):
+        layer.keys, layer.values = layer.keys[:, :, k], layer.values[:, :, k]
+    pos = torch.arange(30, 33)[None]
+    reference = [model(ids[:, 30:33], position_ids=pos, **{kw: plain}).logits]
+    reference += [
+        model(ids[:, t : t + 1], position_ids=torch.tensor([[t]]), **{kw: plain}).logits for t in range(33, 36)
+    ]
+    torch.testing.assert_close(torch.cat(masked, 1), torch.cat(reference, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_seed_names_are_the_same_classes():
+    from kvzap import KVzapPress, KVzapScorer
+
+    assert DMSPress is DMSThresholdPress and KVzapPress is KVzapScorer
+
+
+def test_press_is_reusable_across_sequences(llama):
+    press = DMSThresholdPress(RandomScorer(5), threshold=0.0, sliding_window_size=4, decoding=True)
+    ids = random_ids(1, 20)
+    first, logits_a = run(llama, press, ids, [12, 1, 1])
+    ratio_a = press.compression_ratio
+    second, logits_b = run(llama, press, ids, [12, 1, 1])
+    assert torch.equal(logits_a, logits_b) and press.compression_ratio == ratio_a
+    assert all(torch.equal(a.keep, b.keep) for a, b in zip(first.layers, second.layers, strict=True))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({}, ValueError, "threshold is required"),
+        ({"threshold": float("nan")}, ValueError, "NaN"),
+        ({"threshold": "high"}, TypeError, "number"),
+        ({"threshold": True}, TypeError, "number"),
+        ({"threshold": -4, "sliding_window_size": -1}, ValueError, ">= 0"),
+        ({"threshold": -4, "sliding_window_size": 2.5}, TypeError, "int"),
+    ],
+)
+def test_bad_parameters_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DMSThresholdPress(RandomScorer(), **kwargs)
+
+
+def test_scorer_must_be_a_scorer():
+    with pytest.raises(TypeError, match="Scorer"):
+        DMSThresholdPress(lambda *a: None, threshold=-4)
+
+
+def test_decoding_needs_a_scorer_that_can_decode():
+    with pytest.raises(ValueError, match="cannot prune during decoding"):
+        DMSThresholdPress(PrefillOnlyScorer(), threshold=0, decoding=True)
+    press = DMSThresholdPress(PrefillOnlyScorer(), threshold=0)
+    with pytest.raises(ValueError, match="cannot prune during decoding"):
+        press.decoding = True
+    assert press.decoding is False
+
+
+def test_compression_ratio_before_any_forward_is_a_clear_error():
+    press = DMSThresholdPress(RandomScorer(), threshold=0)
+    with pytest.raises(RuntimeError, match="run a forward pass"):
+        _ = press.compression_ratio
+    with pytest.raises(AttributeError):
+        press.compression_ratio = 0.5
+
+
+def test_all_families_are_covered():
+    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text"}

@@ -1,0 +1,107 @@
+"""The kv-press-text-generation pipeline against model.generate, multi-question isolation and bad input."""
+
+import logging
+
+import pytest
+import torch
+from transformers import DynamicCache, pipeline
+
+import kvzap  # noqa: F401  (registers the task)
+from kvzap import DMSThresholdPress, RandomScorer
+from kvzap._compat import cache_kwarg_name
+from tests.conftest import char_tokenizer, tiny_model
+
+CONTEXT = "The secret code is 4921. " + "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 3
+
+
+@pytest.fixture
+def pipe(llama, tokenizer):
+    return pipeline("kv-press-text-generation", model=llama, tokenizer=tokenizer)
+
+
+def press(decoding=False):
+    return DMSThresholdPress(RandomScorer(7), threshold=0.0, sliding_window_size=8, decoding=decoding)
+
+
+def generate_reference(model, tokenizer, pipe, context, question, the_press, max_new_tokens):
+    """Prefill the context under the press, then let model.generate continue from the same cache."""
+    inputs = pipe.preprocess(context, [question], "", None, False)
+    context_ids, question_ids = inputs["context_ids"], inputs["question_ids"][0]
+    cache = DynamicCache(config=model.config)
+    with the_press(model):
+        model(context_ids, **{cache_kwarg_name(model): cache})
+        full = torch.cat([context_ids, question_ids], dim=1)
+        out = model.generate(
+            full,
+            attention_mask=torch.ones_like(full),
+            max_new_tokens=max_new_tokens,
+            **{cache_kwarg_name(model): cache},
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("decoding", [False, True])
+def test_answer_equals_model_generate_under_the_same_press(llama, tokenizer, pipe, decoding):
+    answer = pipe(CONTEXT, question="What is the code?", press=press(decoding), max_new_tokens=12)["answer"]
+    reference = generate_reference(llama, tokenizer, pipe, CONTEXT, "What is the code?", press(decoding), 12)
+    assert answer == reference
+
+
+def test_no_press_equals_model_generate(llama, tokenizer, pipe):
+    answer = pipe(CONTEXT, question="Why?", max_new_tokens=10)["answer"]
+    inputs = pipe.preprocess(CONTEXT, ["Why?"], "", None, False)
+    full = torch.cat([inputs["context_ids"], inputs["question_ids"][0]], dim=1)
+    out = llama.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=10, do_sample=False)
+    assert answer == tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("decoding", [False, True])
+def test_multiple_questions_equal_separate_calls(pipe, decoding):
+    questions = ["What is the code?", "Who wrote this?", "Say something long about it please."]
+    the_press = press(decoding)
+    together = pipe(CONTEXT, questions=questions, press=the_press, max_new_tokens=8)["answers"]
+    separate = [pipe(CONTEXT, question=q, press=press(decoding), max_new_tokens=8)["answer"] for q in questions]
+    assert together == separate
+
+
+def test_compression_ratio_after_the_pipeline(pipe):
+    the_press = press()
+    pipe(CONTEXT, question="?", press=the_press, max_new_tokens=3)
+    assert 0.2 < the_press.compression_ratio < 0.8
+
+
+def test_truncation_warns(pipe, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvzap.pipeline"):
+        pipe(CONTEXT, question="?", max_context_length=20, max_new_tokens=2)
+    assert "truncated" in caplog.text
+
+
+def test_works_without_chat_template(llama):
+    pipe = pipeline("kv-press-text-generation", model=llama, tokenizer=char_tokenizer(chat_template=False))
+    assert isinstance(pipe(CONTEXT, question="Code?", press=press(), max_new_tokens=4)["answer"], str)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"question": "a", "questions": ["b"]}, ValueError, "not both"),
+        ({"questions": "a"}, ValueError, "list"),
+        ({"press": "kvzap"}, TypeError, "kvzap press"),
+        ({"max_new_tokens": 0}, ValueError, "positive"),
+        ({"cache": object()}, TypeError, "DynamicCache"),
+        ({"temperature": 0.5}, TypeError, "Unknown"),
+    ],
+)
+def test_bad_arguments(pipe, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        pipe(CONTEXT, **kwargs)
+
+
+def test_other_families_run_through_the_pipeline(tokenizer):
+    for family in ("qwen3", "mistral", "gemma3_text"):
+        model = tiny_model(family)
+        pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+        out = pipe(CONTEXT, questions=["a?", "b?"], press=press(True), max_new_tokens=3)
+        assert len(out["answers"]) == 2
