@@ -42,6 +42,9 @@ class KVPressTextGenerationPipeline(Pipeline):
     max_context_length : int, the context is truncated (with a warning) beyond this many tokens.
     enable_thinking : bool, passed to chat templates that support it (Qwen3).
     cache : a ``transformers.DynamicCache`` to fill (one is created when None).
+    prefill_chunk_size : int, prefill the context in chunks of this many tokens, each pruned after its forward
+        (keeps the cache near its pruned size during prefill); None (default) prefills densely in one forward,
+        the paper's setting.
     """
 
     def _sanitize_parameters(
@@ -54,6 +57,7 @@ class KVPressTextGenerationPipeline(Pipeline):
         max_context_length: int | None = None,
         enable_thinking: bool = False,
         cache: DynamicCache | None = None,
+        prefill_chunk_size: int | None = None,
         **kwargs: Any,
     ):
         if kwargs:
@@ -68,6 +72,10 @@ class KVPressTextGenerationPipeline(Pipeline):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
         if max_context_length is not None and (not isinstance(max_context_length, int) or max_context_length < 1):
             raise ValueError(f"max_context_length must be a positive int, got {max_context_length!r}.")
+        if prefill_chunk_size is not None and (
+            isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1
+        ):
+            raise ValueError(f"prefill_chunk_size must be a positive int or None, got {prefill_chunk_size!r}.")
         if cache is not None and not isinstance(cache, DynamicCache):
             raise TypeError(f"cache must be a transformers.DynamicCache, got {type(cache).__name__}.")
         preprocess = {
@@ -76,7 +84,12 @@ class KVPressTextGenerationPipeline(Pipeline):
             "max_context_length": max_context_length,
             "enable_thinking": enable_thinking,
         }
-        forward = {"press": press, "max_new_tokens": max_new_tokens, "cache": cache}
+        forward = {
+            "press": press,
+            "max_new_tokens": max_new_tokens,
+            "cache": cache,
+            "prefill_chunk_size": prefill_chunk_size,
+        }
         postprocess = {"single_question": questions is None}
         return preprocess, forward, postprocess
 
@@ -109,15 +122,34 @@ class KVPressTextGenerationPipeline(Pipeline):
         ]
         return {"context_ids": context_ids, "question_ids": question_ids}
 
-    def _forward(self, inputs, press: BasePress | None = None, max_new_tokens: int = 50, cache=None):
+    def _forward(
+        self,
+        inputs,
+        press: BasePress | None = None,
+        max_new_tokens: int = 50,
+        cache=None,
+        prefill_chunk_size: int | None = None,
+    ):
         model = self.model
         context_ids = inputs["context_ids"].to(model.device)
         cache = cache if cache is not None else _compat.new_dynamic_cache(model)
         cache_kw = _compat.cache_kwarg_name(model)
         n_context = context_ids.shape[1]
+        chunk = prefill_chunk_size or n_context
+        chunked = chunk < n_context and press is not None
         with press(model) if press is not None else contextlib.nullcontext():
-            # Prefill: only the cache is needed, so skip the vocabulary projection of all but one token.
-            model(input_ids=context_ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+            with press.prefilling() if chunked else contextlib.nullcontext():
+                for start in range(0, n_context, chunk):
+                    end = min(start + chunk, n_context)
+                    positions = torch.arange(start, end, device=context_ids.device)[None]
+                    # Only the cache is needed: skip the vocabulary projection of all but one token.
+                    model(
+                        input_ids=context_ids[:, start:end],
+                        position_ids=positions,
+                        use_cache=True,
+                        logits_to_keep=1,
+                        **{cache_kw: cache},
+                    )
             questions = inputs["question_ids"]
             checkpoint = snapshot_cache(cache) if len(questions) > 1 else None
             answers = []

@@ -105,3 +105,14 @@ def test_other_families_run_through_the_pipeline(tokenizer):
         pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
         out = pipe(CONTEXT, questions=["a?", "b?"], press=press(True), max_new_tokens=3)
         assert len(out["answers"]) == 2
+
+
+def test_chunked_prefill(pipe):
+    dense = pipe(CONTEXT, question="Code?", press=press(), max_new_tokens=6)["answer"]
+    one_chunk = pipe(CONTEXT, question="Code?", press=press(), max_new_tokens=6, prefill_chunk_size=10_000)["answer"]
+    assert one_chunk == dense
+    the_press = press()
+    out = pipe(CONTEXT, question="Code?", press=the_press, max_new_tokens=6, prefill_chunk_size=32)
+    assert isinstance(out["answer"], str) and the_press.compression_ratio > 0.2
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        pipe(CONTEXT, question="?", prefill_chunk_size=0)

@@ -78,6 +78,7 @@ class BasePress(ABC):
     _calls: dict[nn.Module, tuple[PrunableLayer, bool]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _prefilling: bool = field(default=False, init=False, repr=False, compare=False)
 
     # --- what a press states about itself ------------------------------------------------------------------
     @property
@@ -93,8 +94,26 @@ class BasePress(ABC):
 
     @abstractmethod
     def process_layer(self, module: nn.Module, layer: PrunableLayer, hidden_states: torch.Tensor, prefill: bool):
-        """Decide evictions for one layer after its attention ran; ``prefill`` is True on a sequence's first
-        forward."""
+        """Decide evictions for one layer after its attention ran.
+
+        ``prefill`` is True for the prompt: a sequence's first forward, and every chunk of a chunked prefill
+        (forwards run inside :meth:`prefilling`). Return False when the press did nothing, so that the
+        statistics of the last forward that acted are kept.
+        """
+
+    @contextlib.contextmanager
+    def prefilling(self) -> Iterator[None]:
+        """Treat the forwards run inside this block as prompt prefill (chunked prefill).
+
+        Prefilling a long prompt in chunks, each evicted after its forward, keeps the cache near its pruned
+        size during the prefill. Chunks after the first continue the sequence: the press prunes them as prompt
+        tokens even when ``decoding=False``. Positions must be passed (or come from the cache) as usual.
+        """
+        previous, self._prefilling = self._prefilling, True
+        try:
+            yield
+        finally:
+            self._prefilling = previous
 
     # --- statistics -------------------------------------------------------------------------------------------
     def _record(self, layer_idx: int, layer: PrunableLayer) -> None:
@@ -143,9 +162,10 @@ class BasePress(ABC):
         layer = layers[idx]
         if not isinstance(layer, PrunableLayer):
             layer = layers[idx] = prunable_layer_like(layer)
-        prefill = layer.seen == 0
-        if prefill and idx == 0:
+        new_sequence = layer.seen == 0
+        if new_sequence and idx == 0:
             self._stats.clear()
+        prefill = new_sequence or self._prefilling
         bind(module, layer)
         self._calls[module] = (layer, prefill)
         return None

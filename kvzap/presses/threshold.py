@@ -97,8 +97,9 @@ class DMSThresholdPress(BasePress):
 
         state = layer.press_state
         pending, start = state.get("pending"), state.get("pending_start")
-        if prefill or pending is None or start + pending.shape[-1] != layer.seen - q_len:
-            # A new sequence, or tokens went by unscored (decoding was off): those stay kept, restart the buffer.
+        if pending is None or start + pending.shape[-1] != layer.seen - q_len:
+            # A new sequence (its layer state is empty), or tokens went by unscored (decoding was off): those
+            # stay kept, and the buffer restarts with this forward's tokens.
             pending, start = scores, layer.seen - q_len
         else:
             pending = torch.cat([pending, scores], dim=-1)  # (B, H, p + q)

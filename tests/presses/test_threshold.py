@@ -196,3 +196,24 @@ def test_compression_ratio_before_any_forward_is_a_clear_error():
 
 def test_all_families_are_covered():
     assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text"}
+
+
+@pytest.mark.parametrize("window", [0, 3, 8])
+def test_chunked_prefill_prunes_each_chunk_like_a_continuing_sequence(llama, window):
+    ids = random_ids(2, 30, seed=window)
+    chunks = [10, 10, 10]
+    chunked = DMSThresholdPress(RandomScorer(4), threshold=0.0, sliding_window_size=window)  # decoding=False
+    cache = DynamicCache(config=llama.config)
+    kw = cache_kwarg_name(llama)
+    with chunked(llama), chunked.prefilling():
+        start = 0
+        for size in chunks:
+            llama(ids[:, start : start + size], **{kw: cache})
+            start += size
+    # The same token stream with decoding-time pruning gives the same evictions.
+    reference, _ = run(
+        llama, DMSThresholdPress(RandomScorer(4), threshold=0.0, sliding_window_size=window, decoding=True), ids, chunks
+    )
+    for ours, theirs in zip(cache.layers, reference.layers, strict=True):
+        assert torch.equal(ours.keep, theirs.keep)
+    assert chunked.compression_ratio > 0
