@@ -1,0 +1,8 @@
+"""``python -m evaluation``: run a sweep, or ``plot``/``summarize`` its results (see ``--help``)."""
+
+import sys
+
+from evaluation.runner import main
+
+if __name__ == "__main__":
+    sys.exit(main())

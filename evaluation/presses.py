@@ -1,0 +1,132 @@
+"""Registry of the presses the evaluation can run, by name.
+
+Each entry says which knob it takes: ``"threshold"`` (DMS presses, the compression ratio is an outcome),
+``"compression_ratio"`` (top-k baselines, the ratio is the input) or nothing (the full cache). A factory builds a
+fresh press for one value of that knob.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from kvzap.presses import (
+    BasePress,
+    DMSThresholdPress,
+    KeyNormScorer,
+    KVzapScorer,
+    RandomScorer,
+    RecencyScorer,
+    TopKPress,
+)
+
+__all__ = ["PressFactory", "PRESSES", "make_press", "PressNotAvailableError"]
+
+Knob = Literal["threshold", "compression_ratio"] | None
+
+
+class PressNotAvailableError(NotImplementedError):
+    """The press is declared in the registry but not implemented yet."""
+
+
+@dataclass(frozen=True)
+class PressFactory:
+    """How to build one press of the evaluation.
+
+    Parameters
+    ----------
+    name : registry key, also used in run directory names.
+    knob : ``"threshold"``, ``"compression_ratio"`` or None (no parameter).
+    build : ``build(value, surrogate=..., sliding_window_size=..., decoding=..., seed=...)`` -> press or None;
+        None when the press is not available yet.
+    description : one line for ``--help`` and the README.
+    """
+
+    name: str
+    knob: Knob
+    build: Callable[..., BasePress | None] | None
+    description: str
+
+    @property
+    def available(self) -> bool:
+        return self.build is not None
+
+
+def _kvzap(model_type: str):
+    def build(value, *, surrogate=None, sliding_window_size=128, decoding=False, **_):
+        scorer = KVzapScorer(model_type, surrogate=surrogate)
+        return DMSThresholdPress(scorer, float(value), sliding_window_size=sliding_window_size, decoding=decoding)
+
+    return build
+
+
+def _topk(scorer_factory: Callable[[int], object]):
+    def build(value, *, seed=0, **_):
+        return TopKPress(scorer_factory(seed), float(value))
+
+    return build
+
+
+PRESSES: dict[str, PressFactory] = {
+    factory.name: factory
+    for factory in (
+        PressFactory("no_press", None, lambda value=None, **_: None, "full cache (no eviction)"),
+        PressFactory("kvzap_mlp", "threshold", _kvzap("mlp"), "KVzap-MLP surrogate, DMS threshold with sliding window"),
+        PressFactory(
+            "kvzap_linear", "threshold", _kvzap("linear"), "KVzap-Linear surrogate, DMS threshold with sliding window"
+        ),
+        PressFactory("random", "compression_ratio", _topk(lambda seed: RandomScorer(seed)), "random scores, top-k"),
+        PressFactory("key_norm", "compression_ratio", _topk(lambda seed: KeyNormScorer()), "minus key norm, top-k"),
+        PressFactory(
+            "recency", "compression_ratio", _topk(lambda seed: RecencyScorer()), "keep the most recent, top-k"
+        ),
+        PressFactory("kvzip_plus", "compression_ratio", None, "KVzip+ oracle scores, top-k (not available yet)"),
+        PressFactory("fastkvzip", "threshold", None, "Fast KVzip gates (not available yet)"),
+    )
+}
+
+
+def make_press(
+    name: str,
+    value: float | None = None,
+    *,
+    surrogate: str | os.PathLike | None = None,
+    sliding_window_size: int = 128,
+    decoding: bool = False,
+    seed: int = 0,
+) -> BasePress | None:
+    """Build press ``name`` for one threshold or compression ratio.
+
+    Parameters
+    ----------
+    name : a key of :data:`PRESSES`.
+    value : the threshold (``knob == "threshold"``) or target compression ratio (``"compression_ratio"``);
+        ignored for ``no_press``.
+    surrogate : KVzap surrogate directory or Hub id; None uses the bundled one or the published checkpoint.
+    sliding_window_size, decoding : DMS options for threshold presses.
+    seed : seed of the random scorer.
+
+    Returns
+    -------
+    BasePress, or None for the full cache.
+
+    Raises
+    ------
+    ValueError : unknown name, or a missing value.
+    PressNotAvailableError : the press is declared but not implemented yet.
+    """
+    if name not in PRESSES:
+        raise ValueError(f"Unknown press {name!r}; choose from {', '.join(PRESSES)}.")
+    factory = PRESSES[name]
+    if not factory.available:
+        raise PressNotAvailableError(
+            f"The press {name!r} ({factory.description}) is not available yet in this version of kvzap; "
+            f"choose one of {', '.join(n for n, f in PRESSES.items() if f.available)}."
+        )
+    if factory.knob is not None and value is None:
+        raise ValueError(f"The press {name!r} needs a {factory.knob.replace('_', ' ')}.")
+    return factory.build(
+        value, surrogate=surrogate, sliding_window_size=sliding_window_size, decoding=decoding, seed=seed
+    )
