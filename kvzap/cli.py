@@ -123,16 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     info = sub.add_parser("info", help="versions and bundled surrogates")
     info.set_defaults(func=_info)
 
-    evaluate = sub.add_parser("evaluate", help="accuracy vs compression (see `python -m evaluation --help`)")
-    evaluate.add_argument("rest", nargs=argparse.REMAINDER)
-    evaluate.set_defaults(func=_evaluate)
+    # `kvzap evaluate ...` hands every following argument to the evaluation CLI (listed here for --help only).
+    sub.add_parser("evaluate", help="accuracy vs compression: `kvzap evaluate --help` (the evaluation/ CLI)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["evaluate"]:
+        return _evaluate(argv[1:])
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     return int(args.func(args) or 0)
 
 
-def _evaluate(args: argparse.Namespace) -> int:
+def _evaluate(argv: list[str]) -> int:
     try:
         from evaluation.__main__ import main as evaluation_main
     except ImportError as error:
@@ -140,7 +142,7 @@ def _evaluate(args: argparse.Namespace) -> int:
             "`kvzap evaluate` runs the evaluation/ package of a kvzap source checkout: "
             f"run it from the repository root ({error})."
         ) from error
-    return evaluation_main(args.rest)
+    return int(evaluation_main(argv) or 0)
 
 
 if __name__ == "__main__":
