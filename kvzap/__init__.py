@@ -10,6 +10,7 @@ from kvzap.presses import (
     BasePress,
     ConstantScorer,
     DMSThresholdPress,
+    FastKVzipScorer,
     KeyNormScorer,
     KVzapScorer,
     RandomScorer,
@@ -17,7 +18,7 @@ from kvzap.presses import (
     Scorer,
     TopKPress,
 )
-from kvzap.surrogates import KVzapSurrogate, SurrogateNotFoundError
+from kvzap.surrogates import FastKVzipGates, KVzapSurrogate, SurrogateNotFoundError
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,8 @@ __all__ = [
     "RecencyScorer",
     "ConstantScorer",
     "KVzapSurrogate",
+    "FastKVzipGates",
+    "FastKVzipScorer",
     "SurrogateNotFoundError",
     "KVPressTextGenerationPipeline",
     "PrunableLayer",

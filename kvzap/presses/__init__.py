@@ -2,7 +2,9 @@
 
 from kvzap.presses.base import BasePress, Scorer
 from kvzap.presses.baseline_scorers import ConstantScorer, KeyNormScorer, RandomScorer, RecencyScorer
+from kvzap.presses.fastkvzip_scorer import FastKVzipScorer
 from kvzap.presses.kvzap_scorer import KVzapScorer
+from kvzap.presses.surrogate_scorer import SurrogateScorer
 from kvzap.presses.threshold import DMSThresholdPress
 from kvzap.presses.topk import TopKPress
 
@@ -10,6 +12,8 @@ __all__ = [
     "BasePress",
     "Scorer",
     "KVzapScorer",
+    "FastKVzipScorer",
+    "SurrogateScorer",
     "RandomScorer",
     "KeyNormScorer",
     "RecencyScorer",

@@ -2,6 +2,14 @@
 
 from kvzap.surrogates.bundled import bundled_surrogate_dir, list_bundled
 from kvzap.surrogates.checkpoint import SurrogateNotFoundError
+from kvzap.surrogates.fastkvzip import FastKVzipGate, FastKVzipGates
 from kvzap.surrogates.kvzap_surrogate import KVzapSurrogate
 
-__all__ = ["KVzapSurrogate", "SurrogateNotFoundError", "bundled_surrogate_dir", "list_bundled"]
+__all__ = [
+    "KVzapSurrogate",
+    "FastKVzipGate",
+    "FastKVzipGates",
+    "SurrogateNotFoundError",
+    "bundled_surrogate_dir",
+    "list_bundled",
+]

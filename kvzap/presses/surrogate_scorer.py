@@ -1,0 +1,111 @@
+"""Shared machinery of learned scorers: where the weights come from, shape checks, placement, scoring."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from kvzap import _compat
+from kvzap.presses.base import Scorer
+from kvzap.surrogates import SurrogateNotFoundError, bundled_surrogate_dir
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SurrogateScorer"]
+
+
+class SurrogateScorer(Scorer):
+    """A scorer backed by a per-layer module ``surrogate(hidden_states (B, q, D), layer_idx) -> (B, q, H)``.
+
+    Subclasses set :attr:`module_class` (with ``from_pretrained``), :attr:`bundled_type` (the sub-directory of
+    the bundled surrogates) and implement :meth:`_check` and, optionally, :meth:`_hub_id`.
+
+    Weights are resolved in this order: what the caller passed (module, local directory or Hub id); the
+    surrogate bundled with kvzap for the model (matched on the model's name); the Hub id of :meth:`_hub_id`.
+    They are checked against the model and placed on each layer's device and dtype once per model.
+    """
+
+    module_class: type[nn.Module]
+    bundled_type: str
+
+    def __init__(self, surrogate: nn.Module | str | os.PathLike | None = None) -> None:
+        if surrogate is not None and not isinstance(surrogate, (self.module_class, str, os.PathLike)):
+            raise TypeError(
+                f"surrogate must be a {self.module_class.__name__}, a local directory or a Hub id, "
+                f"got {type(surrogate).__name__}."
+            )
+        self.surrogate = surrogate
+        self.source: str | None = None  # where the weights were loaded from, once resolved
+        self._loaded = surrogate if isinstance(surrogate, self.module_class) else None
+        self._loaded_for: str | None = None
+        self._placement: tuple | None = None
+
+    # --- for subclasses --------------------------------------------------------------------------------------
+    def _hub_id(self, model_name: str) -> str | None:
+        """Hub repo tried when nothing was passed and nothing is bundled (None: do not try the Hub)."""
+        return None
+
+    def _check(self, loaded: nn.Module, model: PreTrainedModel, model_name: str) -> None:
+        raise NotImplementedError
+
+    def _describe(self) -> str:
+        return self.module_class.__name__
+
+    # --- weights ---------------------------------------------------------------------------------------------
+    def _resolve(self, name: str) -> nn.Module:
+        short = Path(name).name if name else ""
+        if self.surrogate is not None:
+            self.source = str(self.surrogate)
+            return self.module_class.from_pretrained(self.surrogate)
+        bundled = bundled_surrogate_dir(short, self.bundled_type) if short else None
+        if bundled is not None:
+            self.source = f"bundled:{bundled}"
+            return self.module_class.from_pretrained(bundled)
+        hub_id = self._hub_id(short) if short else None
+        fix = (
+            f"Train one with `python -m train` and pass {type(self).__name__}(surrogate='<output dir>'), "
+            "or pass a directory or Hub id in the published format."
+        )
+        if hub_id is None:
+            raise SurrogateNotFoundError(f"No {self._describe()} is bundled with kvzap for model {short!r}. {fix}")
+        try:
+            loaded = self.module_class.from_pretrained(hub_id)
+        except SurrogateNotFoundError as error:
+            raise SurrogateNotFoundError(
+                f"No {self._describe()} for model {short!r}: none is bundled with kvzap and {hub_id!r} could not "
+                f"be loaded from the Hub ({error}). {fix}"
+            ) from error
+        self.source = hub_id
+        return loaded
+
+    def setup(self, model: PreTrainedModel) -> None:
+        name = str(getattr(model.config, "_name_or_path", "") or "")
+        if self._loaded is None or (not isinstance(self.surrogate, self.module_class) and self._loaded_for != name):
+            self._loaded = self._resolve(name)
+            self._loaded_for = name
+            self._placement = None
+            logger.info("%s loaded from %s", self._describe(), self.source)
+        elif isinstance(self.surrogate, self.module_class):
+            self.source = "module"
+        self._check(self._loaded, model, name or type(model).__name__)
+        # Place each layer's module next to its attention layer, once (not on every call).
+        modules = _compat.attention_modules(model)
+        placement = tuple((p.device, p.dtype) for p in (next(m.parameters()) for m in modules))
+        if placement != self._placement:
+            self._loaded.eval().requires_grad_(False)
+            for layer_module, (device, dtype) in zip(self._loaded.layers, placement, strict=True):
+                layer_module.to(device=device, dtype=dtype)
+            self._placement = placement
+
+    # --- scoring ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def score(self, module: nn.Module, hidden_states, keys, values, positions) -> torch.Tensor:
+        if self._loaded is None:
+            raise RuntimeError(f"{type(self).__name__}.setup(model) must run first (applying a press does it).")
+        scores = self._loaded(hidden_states, _compat.layer_index(module))  # (B, q, H)
+        return scores.transpose(1, 2)  # (B, H, q)
