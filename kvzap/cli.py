@@ -1,4 +1,4 @@
-"""The ``kvzap`` command line: ``kvzap demo`` (the main job) and ``kvzap info``."""
+"""The ``kvzap`` command line: ``kvzap demo`` (the main job), ``calibrate``, ``evaluate`` and ``info``."""
 
 from __future__ import annotations
 
@@ -93,6 +93,31 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvzap import KVzapScorer
+    from kvzap.calibrate import calibrate, collect_scores, compression_curve
+    from kvzap.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    if args.texts:
+        texts = [Path(p).read_text() for p in args.texts]
+    else:  # the demo's documentation text, cut into independent samples
+        words = demo_context(tokenizer, args.max_tokens * 3).split()
+        size = len(words) // 3
+        texts = [" ".join(words[i * size : (i + 1) * size]) for i in range(3)]
+    scorer = KVzapScorer(model_type=args.model_type, surrogate=args.surrogate)
+    scores = collect_scores(model, tokenizer, scorer, texts, max_tokens=args.max_tokens)
+    print(f"Model: {model.config._name_or_path}   surrogate: {scorer.source}   window: {args.window}")
+    print(f"{'target':>8} {'threshold':>10} {'reached':>8}")
+    for target in args.target:
+        tau = calibrate(model, tokenizer, scorer, texts, target, sliding_window_size=args.window, scores=scores)
+        reached = float(compression_curve(scores, [tau], args.window)[0])
+        print(f"{target:>8.2f} {tau:>10.3f} {reached:>8.3f}")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     import torch
     import transformers
@@ -119,6 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--context-tokens", type=int, default=4000)
     demo.add_argument("--max-new-tokens", type=int, default=12)
     demo.set_defaults(func=_demo)
+
+    cal = sub.add_parser("calibrate", help="thresholds reaching target compression ratios on sample texts")
+    cal.add_argument("--target", type=float, nargs="+", default=[0.25, 0.5, 0.75], help="compression ratios")
+    cal.add_argument("--model", default=None, help="Hub id or local dir (default: the embedded SmolLM2-135M)")
+    cal.add_argument("--model-type", choices=["mlp", "linear"], default="mlp")
+    cal.add_argument("--surrogate", default=None)
+    cal.add_argument("--window", type=int, default=128, help="sliding window size")
+    cal.add_argument("--texts", nargs="*", help="text files (default: Python documentation text)")
+    cal.add_argument("--max-tokens", type=int, default=2048, help="tokens per text")
+    cal.set_defaults(func=_calibrate)
 
     info = sub.add_parser("info", help="versions and bundled surrogates")
     info.set_defaults(func=_info)

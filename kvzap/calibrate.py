@@ -1,0 +1,138 @@
+"""Threshold calibration: which threshold gives a target compression ratio on sample texts.
+
+The threshold -> compression mapping depends on the model and its surrogate (the paper's tau in {-6..-3} for
+Qwen3-8B does not carry over to other models). With dense prefill and no decoding-time pruning, a pair is
+evicted iff it lies outside the final window and its score is below the threshold, so one forward per text
+records every score and the whole curve follows without running the press again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from kvzap import _compat
+from kvzap.cache import PrunableLayer
+from kvzap.presses.base import BasePress, Scorer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["collect_scores", "compression_curve", "calibrate"]
+
+
+@dataclass
+class _ScoreRecorder(BasePress):
+    """Records the scorer's prefill scores of every layer; evicts nothing."""
+
+    scorer: Scorer = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.scores: dict[int, torch.Tensor] = {}
+
+    def setup(self, model) -> None:
+        self.scorer.setup(model)
+
+    def process_layer(self, module: nn.Module, layer: PrunableLayer, hidden_states: torch.Tensor, prefill: bool):
+        if not prefill:
+            return False
+        q_len = hidden_states.shape[1]
+        positions = torch.arange(layer.seen - q_len, layer.seen, device=hidden_states.device)
+        scores = self.scorer.score(module, hidden_states, layer.last_keys, layer.last_values, positions)
+        self.scores[_compat.layer_index(module)] = scores[0].float().cpu()  # (H, T)
+        return True
+
+
+@torch.no_grad()
+def collect_scores(
+    model: PreTrainedModel, tokenizer, scorer: Scorer, texts: Sequence[str], max_tokens: int | None = None
+) -> list[list[torch.Tensor]]:
+    """Prefill scores of each text: ``result[text][layer]`` is ``(kv_heads, tokens)``."""
+    if isinstance(texts, str) or not texts:
+        raise ValueError("texts must be a non-empty list of strings.")
+    recorder = _ScoreRecorder(scorer=scorer)
+    result = []
+    for text in tqdm(texts, desc="calibration texts", unit="text"):
+        ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens].to(model.device)
+        recorder.scores = {}
+        with recorder(model):
+            model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        result.append([recorder.scores[i] for i in sorted(recorder.scores)])
+    return result
+
+
+def compression_curve(
+    scores: list[list[torch.Tensor]], thresholds: Sequence[float] | torch.Tensor, sliding_window_size: int = 128
+) -> torch.Tensor:
+    """Mean compression ratio (over texts, layers and heads, as ``press.compression_ratio``) per threshold.
+
+    Returns
+    -------
+    Tensor ``(len(thresholds),)``.
+    """
+    thresholds = torch.as_tensor(thresholds, dtype=torch.float32)
+    per_text = []
+    for layers in scores:
+        n_tokens = layers[0].shape[-1]
+        outside = max(n_tokens - sliding_window_size, 0)  # the window is never evicted
+        ratios = []
+        for layer_scores in layers:
+            candidates = layer_scores[:, :outside].reshape(-1)  # (H * outside,)
+            # evicted share for every threshold at once: count of candidate scores strictly below it
+            counts = torch.searchsorted(candidates.sort().values, thresholds, side="left")
+            ratios.append(counts.float() / layer_scores.numel())
+        per_text.append(torch.stack(ratios).mean(0))
+    return torch.stack(per_text).mean(0)
+
+
+def calibrate(
+    model: PreTrainedModel,
+    tokenizer,
+    scorer: Scorer,
+    texts: Sequence[str],
+    target_compression: float,
+    *,
+    sliding_window_size: int = 128,
+    max_tokens: int | None = None,
+    scores: list[list[torch.Tensor]] | None = None,
+) -> float:
+    """The smallest threshold whose mean prefill compression ratio on ``texts`` reaches ``target_compression``.
+
+    Parameters
+    ----------
+    target_compression : share of KV pairs to evict, in [0, 1). Ratios above the share of pairs outside the
+        sliding window cannot be reached: the threshold evicting every candidate is returned, with a warning.
+    scores : reuse the output of :func:`collect_scores` to calibrate several targets without new forwards.
+
+    Returns
+    -------
+    float: use it as ``DMSThresholdPress(scorer, threshold=..., sliding_window_size=...)``.
+    """
+    if not 0 <= target_compression < 1:
+        raise ValueError(f"target_compression must be in [0, 1), got {target_compression!r}.")
+    if scores is None:
+        scores = collect_scores(model, tokenizer, scorer, texts, max_tokens)
+    # The curve is non-decreasing in the threshold: bisect between the lowest and highest score.
+    values = torch.cat([s.reshape(-1) for layers in scores for s in layers])
+    lo, hi = float(values.min()), float(values.max()) + 1e-6
+    reachable = float(compression_curve(scores, [hi], sliding_window_size)[0])
+    if target_compression >= reachable:
+        logger.warning(
+            "A compression ratio of %.3f is out of reach with a window of %d tokens on these texts (max %.3f).",
+            target_compression,
+            sliding_window_size,
+            reachable,
+        )
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if float(compression_curve(scores, [mid], sliding_window_size)[0]) < target_compression:
+            lo = mid
+        else:
+            hi = mid
+    return hi
