@@ -15,6 +15,7 @@ from typing import Literal
 from kvzap.presses import (
     BasePress,
     DMSThresholdPress,
+    FastKVzipScorer,
     KeyNormScorer,
     KVzapScorer,
     RandomScorer,
@@ -62,6 +63,11 @@ def _kvzap(model_type: str):
     return build
 
 
+def _fastkvzip(value, *, surrogate=None, sliding_window_size=128, decoding=False, **_):
+    scorer = FastKVzipScorer(surrogate=surrogate)
+    return DMSThresholdPress(scorer, float(value), sliding_window_size=sliding_window_size, decoding=decoding)
+
+
 def _topk(scorer_factory: Callable[[int], object]):
     def build(value, *, seed=0, **_):
         return TopKPress(scorer_factory(seed), float(value))
@@ -83,7 +89,7 @@ PRESSES: dict[str, PressFactory] = {
             "recency", "compression_ratio", _topk(lambda seed: RecencyScorer()), "keep the most recent, top-k"
         ),
         PressFactory("kvzip_plus", "compression_ratio", None, "KVzip+ oracle scores, top-k (not available yet)"),
-        PressFactory("fastkvzip", "threshold", None, "Fast KVzip gates (not available yet)"),
+        PressFactory("fastkvzip", "threshold", _fastkvzip, "Fast KVzip gates (log-gate threshold), sliding window"),
     )
 }
 

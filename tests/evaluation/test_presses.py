@@ -3,7 +3,7 @@
 import pytest
 
 from evaluation.presses import PRESSES, PressNotAvailableError, make_press
-from kvzap import DMSThresholdPress, KeyNormScorer, KVzapScorer, RandomScorer, RecencyScorer, TopKPress
+from kvzap import DMSThresholdPress, FastKVzipScorer, KeyNormScorer, KVzapScorer, RandomScorer, RecencyScorer, TopKPress
 
 
 def test_factories_build_the_right_press():
@@ -26,8 +26,10 @@ def test_knobs_and_errors():
         "random": "compression_ratio",
         "key_norm": "compression_ratio",
         "recency": "compression_ratio",
+        "fastkvzip": "threshold",
     }
-    for name in ("kvzip_plus", "fastkvzip"):
+    assert isinstance(make_press("fastkvzip", -3, surrogate="/gates").scorer, FastKVzipScorer)
+    for name in ("kvzip_plus",):
         assert not PRESSES[name].available
         with pytest.raises(PressNotAvailableError, match="not available yet"):
             make_press(name, 0.5)
