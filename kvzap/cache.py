@@ -22,7 +22,7 @@ tensor and a boolean ``keep`` mask hides the evicted ones from every head (same 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -38,6 +38,8 @@ __all__ = [
     "snapshot_cache",
     "restore_cache",
     "masked_sdpa",
+    "kv_bytes",
+    "KVBytes",
 ]
 
 
@@ -113,6 +115,11 @@ class PrunableLayer:
         """``(batch, kv_heads)`` number of pairs physically held for attention."""
         raise NotImplementedError
 
+    def keep_mask(self) -> torch.Tensor:  # pragma: no cover - abstract
+        """``(batch, kv_heads, stored)`` True for kept pairs, over the last ``stored`` positions still covered by
+        the layer (all positions seen, except for sliding-window layers)."""
+        raise NotImplementedError
+
     def snapshot(self) -> dict[str, Any]:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -176,6 +183,9 @@ class _MaskedStorage(PrunableLayer):
 
     def kept_counts(self) -> torch.Tensor:
         return self.keep.sum(-1)
+
+    def keep_mask(self) -> torch.Tensor:
+        return self.keep
 
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0):
         keep = self._attn_keep[..., -key.shape[-2] :]
@@ -285,17 +295,32 @@ def restore_cache(cache: Cache, states: list[dict[str, Any]]) -> None:
             layer.__dict__.update(state)
 
 
-def kv_bytes(cache: Cache) -> tuple[int, int]:
-    """``(kept_bytes, full_bytes)``: bytes of the pairs attention can see vs. a cache without eviction."""
-    kept = full = 0
+class KVBytes(NamedTuple):
+    """Bytes of a cache's keys and values."""
+
+    kept: int  # pairs attention can see
+    physical: int  # memory allocated for them (dense masked storage holds evicted pairs too)
+    full: int  # the same tokens without any eviction
+
+
+def kv_bytes(cache: Cache) -> KVBytes:
+    """Kept, physically allocated and unpruned bytes of the keys and values of ``cache``."""
+    kept = physical = full = 0
     for layer in cache.layers:
+        if hasattr(layer, "physical_bytes"):  # compact storage accounts for itself
+            kept += layer.kept_bytes()
+            physical += layer.physical_bytes()
+            full += layer.full_bytes()
+            continue
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
         bsz, n_heads, stored, head_dim = layer.keys.shape
         pair_bytes = 2 * head_dim * layer.keys.element_size()
-        full += bsz * n_heads * stored * pair_bytes
+        dense = bsz * n_heads * stored * pair_bytes
+        physical += dense + (layer.keep.numel() if isinstance(layer, _MaskedStorage) else 0)
+        full += dense
         if isinstance(layer, PrunableLayer) and layer.n_evicted is not None:
             kept += int(layer.kept_counts().sum()) * pair_bytes
         else:
-            kept += bsz * n_heads * stored * pair_bytes
-    return kept, full
+            kept += dense
+    return KVBytes(kept, physical, full)

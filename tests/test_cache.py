@@ -110,8 +110,9 @@ def test_kv_bytes_counts_kept_pairs():
     cache.layers.append(MaskedLayer())
     _fill(cache.layers[0], length=10, d=4)
     cache.layers[0].evict(0, torch.ones(1, 2, 5, dtype=torch.bool))
-    kept, full = kv_bytes(cache)
+    kept, physical, full = kv_bytes(cache)
     assert full == 2 * 10 * 2 * 4 * 4 and kept == full // 2
+    assert physical == full + 2 * 10  # masked storage keeps every pair, plus its keep mask
 
 
 def test_unprunable_layers_are_refused():

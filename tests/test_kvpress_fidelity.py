@@ -71,7 +71,7 @@ def evicted_theirs(model):
 
 
 def evicted_ours(cache):
-    return [set(map(tuple, (~layer.keep).nonzero().tolist())) for layer in cache.layers]
+    return [set(map(tuple, (~layer.keep_mask()).nonzero().tolist())) for layer in cache.layers]
 
 
 @pytest.mark.parametrize("window", [0, 4, 16])

@@ -22,10 +22,15 @@ from transformers import PreTrainedModel
 from kvzap import _compat
 from kvzap.attention import ATTENTION_NAME, bind, ensure_registered, unbind
 from kvzap.cache import PrunableLayer, prunable_layer_like
+from kvzap.compact import compact_layer_like
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Scorer", "BasePress"]
+__all__ = ["Scorer", "BasePress", "STORAGES"]
+
+#: How evicted pairs are stored: "compact" frees them (per-head buffers, sliding-window layers stay masked);
+#: "masked" keeps the dense cache and hides them (the reference for tests and benchmarks).
+STORAGES = {"compact": compact_layer_like, "masked": prunable_layer_like}
 
 
 class Scorer(ABC):
@@ -72,7 +77,12 @@ class BasePress(ABC):
 
     Subclasses implement :meth:`process_layer`, called after each attention layer's forward with the layer's
     prunable cache, and say what they do through :attr:`prunes_during_decoding` (read by the pipeline).
+
+    ``storage`` (keyword only, every press): ``"compact"`` (default) physically frees evicted pairs;
+    ``"masked"`` keeps them in a dense cache and hides them from attention (same logits).
     """
+
+    storage: str = field(default="compact", kw_only=True)
 
     _stats: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict, init=False, repr=False, compare=False)
     _calls: dict[nn.Module, tuple[PrunableLayer, bool]] = field(
@@ -87,7 +97,12 @@ class BasePress(ABC):
         return False
 
     def validate(self) -> None:
-        """Raise ValueError/TypeError for invalid parameters. Called at construction and on entering."""
+        """Raise ValueError/TypeError for invalid parameters. Called at construction and on entering.
+
+        Subclasses extend it and call ``super().validate()``.
+        """
+        if self.storage not in STORAGES:
+            raise ValueError(f"storage must be one of {', '.join(map(repr, STORAGES))}, got {self.storage!r}.")
 
     def setup(self, model: PreTrainedModel) -> None:
         """Prepare for ``model`` before any hook is registered (e.g. load scorer weights)."""
@@ -158,10 +173,11 @@ class BasePress(ABC):
             _check_cache_layers(layers)
         if len(layers) <= idx:
             # Lazily built cache (DynamicCache() without a config): create this layer ourselves.
-            layers.extend(prunable_layer_like(_compat.DynamicLayer()) for _ in range(idx + 1 - len(layers)))
+            new_layer = STORAGES[self.storage]
+            layers.extend(new_layer(_compat.DynamicLayer()) for _ in range(idx + 1 - len(layers)))
         layer = layers[idx]
         if not isinstance(layer, PrunableLayer):
-            layer = layers[idx] = prunable_layer_like(layer)
+            layer = layers[idx] = STORAGES[self.storage](layer)
         new_sequence = layer.seen == 0
         if new_sequence and idx == 0:
             self._stats.clear()

@@ -64,6 +64,7 @@ class DMSThresholdPress(BasePress):
             )
 
     def validate(self) -> None:
+        super().validate()
         if not isinstance(self.scorer, Scorer):
             raise TypeError(
                 f"scorer must be a kvzap Scorer (e.g. KVzapScorer(model_type='mlp')), got {type(self.scorer).__name__}."

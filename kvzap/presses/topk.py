@@ -31,6 +31,7 @@ class TopKPress(BasePress):
         self.validate()
 
     def validate(self) -> None:
+        super().validate()
         if not isinstance(self.scorer, Scorer):
             raise TypeError(f"scorer must be a kvzap Scorer, got {type(self.scorer).__name__}.")
         ratio = self.target_compression

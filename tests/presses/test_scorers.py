@@ -98,4 +98,4 @@ def test_baseline_scorers(llama):
     cache = DynamicCache(config=llama.config)
     with TopKPress(RecencyScorer(), target_compression=0.5)(llama):
         llama(random_ids(1, 20), **{cache_kwarg_name(llama): cache})
-    assert cache.layers[0].keep[0, 0].tolist() == [False] * 10 + [True] * 10
+    assert cache.layers[0].keep_mask()[0, 0].tolist() == [False] * 10 + [True] * 10

@@ -67,26 +67,30 @@ def run(model, press, ids, chunks):
     steps=st.lists(st.integers(1, 4), max_size=5),
     threshold=st.floats(-1.5, 1.5),
     decoding=st.booleans(),
+    storage=st.sampled_from(["compact", "masked"]),
 )
-def test_evicted_set_matches_naive_rule(llama, seed, window, n_prefill, steps, threshold, decoding):
+def test_evicted_set_matches_naive_rule(llama, seed, window, n_prefill, steps, threshold, decoding, storage):
     scorer = RecordingScorer(seed)
-    press = DMSThresholdPress(scorer, threshold=threshold, sliding_window_size=window, decoding=decoding)
+    press = DMSThresholdPress(
+        scorer, threshold=threshold, sliding_window_size=window, decoding=decoding, storage=storage
+    )
     chunks = [n_prefill, *steps]
     ids = random_ids(2, sum(chunks), seed=seed)
     cache, _ = run(llama, press, ids, chunks)
     n_total = sum(chunks)
     for layer_idx, layer in enumerate(cache.layers):
         expected = naive_dms(scorer.history[layer_idx], n_total, n_prefill, window, threshold, decoding, (2, 2))
-        assert torch.equal(~layer.keep, expected)
-        assert layer.keep[..., max(n_total - window, 0) :].all()  # the window is never evicted
+        assert torch.equal(~layer.keep_mask(), expected)
+        assert layer.keep_mask()[..., max(n_total - window, 0) :].all()  # the window is never evicted
         assert torch.equal(layer.n_evicted, expected.sum(-1))
-    shares = [float((~layer.keep).float().mean()) for layer in cache.layers]
+    shares = [float((~layer.keep_mask()).float().mean()) for layer in cache.layers]
     if decoding or not steps:
         assert press.compression_ratio == pytest.approx(sum(shares) / len(shares))
 
 
+@pytest.mark.parametrize("storage", ["compact", "masked"])
 @pytest.mark.parametrize("decoding", [False, True])
-def test_threshold_minus_inf_gives_identical_logits(family, decoding):
+def test_threshold_minus_inf_gives_identical_logits(family, decoding, storage):
     model = tiny_model(family)
     ids = random_ids(2, 40)
     chunks = [30, 4, 1, 1, 1, 1, 1, 1]  # prefill, a question, then token by token (crosses sliding windows)
@@ -96,7 +100,9 @@ def test_threshold_minus_inf_gives_identical_logits(family, decoding):
     for size in chunks:
         reference.append(model(ids[:, start : start + size], **{kw: cache}).logits)
         start += size
-    press = DMSThresholdPress(RandomScorer(0), threshold=-math.inf, sliding_window_size=4, decoding=decoding)
+    press = DMSThresholdPress(
+        RandomScorer(0), threshold=-math.inf, sliding_window_size=4, decoding=decoding, storage=storage
+    )
     _, logits = run(model, press, ids, chunks)
     assert torch.equal(logits, torch.cat(reference, dim=1))
     assert press.compression_ratio == 0.0
@@ -113,16 +119,17 @@ class SharedHeadsScorer(Scorer):
         return torch.randn(bsz, 1, q_len, generator=self.generator).expand(bsz, heads, q_len)
 
 
+@pytest.mark.parametrize("storage", ["compact", "masked"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "phi3"])
-def test_masked_eviction_equals_physically_deleting_pairs(name):
+def test_eviction_equals_physically_deleting_pairs(name, storage):
     model = tiny_model(name)
     ids = random_ids(1, 36, seed=1)
     kw = cache_kwarg_name(model)
-    press = DMSThresholdPress(SharedHeadsScorer(3), threshold=0.0, sliding_window_size=6)
+    press = DMSThresholdPress(SharedHeadsScorer(3), threshold=0.0, sliding_window_size=6, storage=storage)
     cache = DynamicCache(config=model.config)
     with press(model):
         model(ids[:, :30], **{kw: cache})
-        keep = [layer.keep[0, 0].clone() for layer in cache.layers]
+        keep = [layer.keep_mask()[0, 0].clone() for layer in cache.layers]
         assert not keep[0].all()
         masked = [model(ids[:, 30:33], **{kw: cache}).logits]
         masked += [model(ids[:, t : t + 1], **{kw: cache}).logits for t in range(33, 36)]
@@ -153,7 +160,7 @@ def test_press_is_reusable_across_sequences(llama):
     ratio_a = press.compression_ratio
     second, logits_b = run(llama, press, ids, [12, 1, 1])
     assert torch.equal(logits_a, logits_b) and press.compression_ratio == ratio_a
-    assert all(torch.equal(a.keep, b.keep) for a, b in zip(first.layers, second.layers, strict=True))
+    assert all(torch.equal(a.keep_mask(), b.keep_mask()) for a, b in zip(first.layers, second.layers, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -215,5 +222,5 @@ def test_chunked_prefill_prunes_each_chunk_like_a_continuing_sequence(llama, win
         llama, DMSThresholdPress(RandomScorer(4), threshold=0.0, sliding_window_size=window, decoding=True), ids, chunks
     )
     for ours, theirs in zip(cache.layers, reference.layers, strict=True):
-        assert torch.equal(ours.keep, theirs.keep)
+        assert torch.equal(ours.keep_mask(), theirs.keep_mask())
     assert chunked.compression_ratio > 0

@@ -1,0 +1,190 @@
+"""Compact storage: same logits as the masked storage, exact byte accounting, slot reuse, checkpoints."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvzap import _compat
+from kvzap.cache import MaskedLayer, restore_cache, snapshot_cache
+from kvzap.compact import CompactLayer, compact_layer_like
+from kvzap.presses.baseline_scorers import ConstantScorer, RandomScorer
+from kvzap.presses.threshold import DMSThresholdPress
+from tests.conftest import random_ids, tiny_model
+
+# Families with at least one full-attention layer (Mistral's tiny config is sliding-only: masked storage).
+FULL_ATTENTION_FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "gemma3_text"]
+
+
+def _press(threshold=0.0, window=4, scorer=None, storage="compact"):
+    return DMSThresholdPress(
+        scorer or RandomScorer(seed=0), threshold=threshold, sliding_window_size=window, decoding=True, storage=storage
+    )
+
+
+def _steps(model, press, cache, batch, prefill=40, question=6, n_decode=5):
+    """Prefill, one multi-token question step, then greedy decoding; returns the logits of every forward."""
+    kw = _compat.cache_kwarg_name(model)
+    logits = []
+    with torch.no_grad(), press(model):
+        logits.append(model(random_ids(batch, prefill, seed=1), **{kw: cache}).logits)
+        logits.append(model(random_ids(batch, question, seed=2), **{kw: cache}).logits)
+        for _ in range(n_decode):
+            token = logits[-1][:, -1:].argmax(-1)
+            logits.append(model(token, **{kw: cache}).logits)
+    return logits
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("family", FULL_ATTENTION_FAMILIES)
+def test_compact_and_masked_give_the_same_logits(family, batch):
+    model = tiny_model(family)
+    runs = {}
+    for compact in (False, True):
+        cache, press = DynamicCache(config=model.config), _press(storage="compact" if compact else "masked")
+        runs[compact] = (_steps(model, press, cache, batch), cache, press)
+    (masked_logits, masked_cache, _), (compact_logits, compact_cache, compact_press) = runs[False], runs[True]
+    assert any(isinstance(layer, CompactLayer) for layer in compact_cache.layers)
+    assert 0.2 < compact_press.compression_ratio < 0.8  # pruning really happened
+    for step, (a, b) in enumerate(zip(masked_logits, compact_logits, strict=True)):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+    for masked, compact in zip(masked_cache.layers, compact_cache.layers, strict=True):
+        # Same decisions, and the compact layer stores exactly the kept pairs.
+        assert torch.equal(compact.n_evicted, masked.n_evicted)
+        assert torch.equal(compact.kept_counts(), masked.kept_counts())
+        if isinstance(compact, CompactLayer):
+            assert torch.equal(compact.kept_counts(), compact.seen - compact.n_evicted)
+            stored = torch.tensor(
+                [[compact._n[b * compact._heads + h] for h in range(compact._heads)] for b in range(batch)]
+            )
+            assert torch.equal(stored, compact.kept_counts())
+
+
+def test_positions_and_seq_length_match_the_unpruned_cache():
+    model = tiny_model("llama")
+    pruned, dense = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    _steps(model, _press(), pruned, batch=1)
+    _steps(model, _press(threshold=float("-inf")), dense, batch=1)
+    assert pruned.get_seq_length() == dense.get_seq_length() == 40 + 6 + 5
+    assert pruned.layers[0].kept_counts().sum() < pruned.layers[0].seen * pruned.layers[0]._heads
+    # Positions are exact: the pruned logits equal those of the masked storage (see above) and of explicit ids.
+    kw = _compat.cache_kwarg_name(model)
+    snap = snapshot_cache(pruned)
+    with torch.no_grad(), _press()(model):
+        implicit = model(random_ids(1, 3, seed=5), **{kw: pruned}).logits
+        restore_cache(pruned, snap)
+        explicit = model(random_ids(1, 3, seed=5), position_ids=torch.arange(51, 54)[None], **{kw: pruned}).logits
+    torch.testing.assert_close(implicit, explicit)
+
+
+def test_physical_bytes_follow_kept_pairs():
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    _steps(model, _press(threshold=0.5), cache, batch=2, prefill=200, n_decode=1)
+    layer = cache.layers[0]
+    d = model.config.hidden_size // model.config.num_attention_heads
+    pair_bytes = 2 * d * 4 + 8  # fp32 key + value, long position
+    assert layer.physical_bytes() == int(layer.capacities().sum()) * pair_bytes
+    assert layer.kept_bytes() == int(layer.kept_counts().sum()) * (pair_bytes - 8)
+    assert layer.full_bytes() == 2 * layer._heads * layer.seen * (pair_bytes - 8)
+    kept, cap = layer.kept_counts(), layer.capacities()
+    assert bool((cap >= kept).all()) and bool((cap <= kept + kept // 4 + 32).all())  # slack stays bounded
+    assert layer.physical_bytes() < 0.5 * layer.seen * layer._heads * 2 * pair_bytes  # ~70% pruned
+
+
+def test_freed_slots_are_reused_during_decoding():
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    # Every pair leaving the 4-token window is evicted: each decoded token frees exactly one slot per head.
+    press = _press(threshold=1.0, scorer=ConstantScorer(0.0))
+    kw = _compat.cache_kwarg_name(model)
+    with torch.no_grad(), press(model):
+        model(random_ids(1, 30), **{kw: cache})
+        layer = cache.layers[0]
+        buffers = [k.data_ptr() for k in layer._k]
+        counts, caps = layer.kept_counts(), layer.capacities()
+        for step in range(10):
+            model(random_ids(1, 1, seed=step), **{kw: cache})
+            assert torch.equal(layer.kept_counts(), counts) and torch.equal(layer.capacities(), caps)
+    assert [k.data_ptr() for k in layer._k] == buffers  # no reallocation, no copy
+    assert counts.tolist() == [[4, 4]] and layer.seen == 40
+
+
+def test_snapshot_restore_round_trip():
+    model = tiny_model("qwen3")
+    kw = _compat.cache_kwarg_name(model)
+    cache, press = DynamicCache(config=model.config), _press()
+    question_a, question_b = random_ids(1, 7, seed=3), random_ids(1, 9, seed=4)
+    with torch.no_grad(), press(model):
+        model(random_ids(1, 40), **{kw: cache})
+        before = [
+            (layer.kept_counts(), [k[:n].clone() for k, n in zip(layer._k, layer._n, strict=True)])
+            for layer in cache.layers
+        ]
+        snap = snapshot_cache(cache)
+        first = model(question_a, **{kw: cache}).logits
+        model(first[:, -1:].argmax(-1), **{kw: cache})  # decoding evicts inside the checkpoint's prefix
+        restore_cache(cache, snap)
+        model(question_b, **{kw: cache})
+        restore_cache(cache, snap)
+        for layer, (counts, keys) in zip(cache.layers, before, strict=True):
+            assert layer.seen == 40 and torch.equal(layer.kept_counts(), counts)
+            for k, n, ref in zip(layer._k, layer._n, keys, strict=True):
+                torch.testing.assert_close(k[:n], ref, rtol=0, atol=0)
+        again = model(question_a, **{kw: cache}).logits
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+def _filled(bsz=2, heads=2, length=10, d=4):
+    layer = CompactLayer()
+    k = torch.randn(bsz, heads, length, d, generator=torch.Generator().manual_seed(0))
+    layer.update(k, -k)
+    return layer
+
+
+def test_evict_crop_and_batch_ops_keep_counts_exact():
+    layer, masked = _filled(), MaskedLayer()
+    masked.update(torch.zeros(2, 2, 10, 4), torch.zeros(2, 2, 10, 4))
+    mask = torch.rand(2, 2, 6, generator=torch.Generator().manual_seed(1)) > 0.5
+    for storage in (layer, masked):
+        storage.evict(2, mask)
+        storage.evict(2, mask)  # evicting twice counts once
+        storage.crop(-3)
+    assert torch.equal(layer.n_evicted, masked.n_evicted) and torch.equal(layer.kept_counts(), masked.kept_counts())
+    assert layer.get_seq_length() == 7
+    for i in range(4):
+        assert sorted(layer._pos[i][: layer._n[i]].tolist()) == [
+            p for p in range(7) if not (2 <= p < 8 and mask.view(4, 6)[i, p - 2])
+        ]
+    layer.batch_repeat_interleave(2)
+    assert layer.kept_counts().shape == (4, 2) and torch.equal(layer.kept_counts()[::2], masked.kept_counts())
+    layer.batch_select_indices(torch.tensor([3]))
+    assert torch.equal(layer.kept_counts(), masked.kept_counts()[1:])
+
+
+def test_misuse_is_refused():
+    layer = _filled()
+    with pytest.raises(ValueError, match="evict covers positions"):
+        layer.evict(8, torch.ones(2, 2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="shape"):
+        layer.evict(0, torch.ones(1, 2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="fresh cache"):
+        layer.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+
+
+def test_sliding_layers_keep_the_masked_storage():
+    from kvzap._compat import DynamicLayer, DynamicSlidingWindowLayer
+
+    assert isinstance(compact_layer_like(DynamicLayer()), CompactLayer)
+    assert not isinstance(compact_layer_like(DynamicSlidingWindowLayer(sliding_window=8)), CompactLayer)
+
+
+def test_without_evictions_update_returns_the_dense_cache():
+    model = tiny_model("llama")
+    logits = {}
+    for compact in (False, True):
+        cache = DynamicCache(config=model.config)
+        press = _press(threshold=float("-inf"), storage="compact" if compact else "masked")
+        logits[compact] = _steps(model, press, cache, batch=2, n_decode=2)
+    assert isinstance(cache.layers[0], CompactLayer) and not cache.layers[0].has_evictions
+    for a, b in zip(logits[False], logits[True], strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
