@@ -1,0 +1,45 @@
+"""Tests of the training scripts (train/); helpers shared by them: a tiny seeded Llama and an offline tokenizer."""
+
+from __future__ import annotations
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_tiny_tokenizer():
+    """A byte-level BPE tokenizer without merges (one token per byte) plus chat special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_llama(attn_implementation: str = "sdpa", seed: int = 0, vocab_size: int = 300):
+    """Tiny random Llama (hidden 64, 2 layers, 4 query heads, 2 KV heads); two builds with a seed are identical."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        attn_implementation=attn_implementation,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    return model

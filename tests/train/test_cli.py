@@ -1,0 +1,46 @@
+"""`python -m train` end to end on a tiny model, in process."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kvzap.surrogates import KVzapSurrogate
+from tests.train import make_tiny_llama
+from train.__main__ import build_parser, main
+
+
+def test_help_lists_subcommands():
+    text = build_parser().format_help()
+    for command in ("build-corpus", "collect", "fit", "all"):
+        assert command in text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["collect", "--feature-dtype", "int8"])
+
+
+def test_all_then_fit_again(tmp_path, tiny_tokenizer, capsys):
+    make_tiny_llama().save_pretrained(tmp_path / "tiny")
+    tiny_tokenizer.save_pretrained(tmp_path / "tiny")
+    rng = random.Random(0)
+    with (tmp_path / "data.jsonl").open("w") as f:
+        for i in range(8):
+            text = " ".join(rng.choice(["red", "green", "blue"]) for _ in range(25))
+            f.write(json.dumps({"text": text, "subset": f"s{i % 2}"}) + "\n")
+    data = ["--model", str(tmp_path / "tiny"), "--data", str(tmp_path / "data.jsonl"), "--n-train", "2"]
+    data += ["--n-test", "1", "--min-tokens", "30", "--max-tokens", "60", "--n-tokens", "12"]
+    fit = ["--epochs", "2", "--batch-size", "8", "--hidden-dim", "4"]
+    assert main(["--threads", "1", "all", "--out", str(tmp_path / "run"), *data, *fit]) == 0
+    out = capsys.readouterr().out
+    assert "train: 4 prompts, 48 pairs" in out and "held-out mean R^2" in out
+    report = json.loads((tmp_path / "run" / "surrogates" / "r2.json").read_text())
+    assert report["n_test_pairs"] == 24 and set(report["surrogates"]) == {"linear", "mlp"}
+    assert KVzapSurrogate.from_pretrained(tmp_path / "run" / "surrogates" / "mlp").hidden_dim == 4
+
+    # A second training collection (another seed) is added with --extra-train.
+    assert main(["collect", "--out", str(tmp_path / "more"), "--splits", "train", *data]) == 0
+    args = ["fit", "--collection", str(tmp_path / "run" / "collect"), "--out", str(tmp_path / "fit2"), *fit]
+    assert main([*args, "--types", "linear", "--extra-train", str(tmp_path / "more" / "train")]) == 0
+    report = json.loads((tmp_path / "fit2" / "r2.json").read_text())
+    assert report["n_train_pairs"] == 96 and list(report["surrogates"]) == ["linear"]

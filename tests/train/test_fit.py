@@ -1,0 +1,114 @@
+"""Surrogate fitting: ridge recovers a linear map, the MLP learns, checkpoints reload, R^2 is the paper's."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kvzap.surrogates import KVzapSurrogate
+from tests.train import make_tiny_llama
+from train.collect import collect
+from train.fit import (
+    MLPConfig,
+    evaluate_surrogate,
+    fit_and_save,
+    fit_layer_linear,
+    fit_layer_mlp,
+    fit_surrogate,
+    pearson_r2,
+    plot_r2,
+)
+
+
+def linear_data(n=2000, d=16, h=3, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d)).astype(np.float32)
+    W = rng.normal(size=(h, d)).astype(np.float32)
+    b = rng.normal(size=h).astype(np.float32)
+    y = X @ W.T + b + noise * rng.normal(size=(n, h)).astype(np.float32)
+    return X, y, W, b
+
+
+def test_ridge_recovers_linear_map():
+    X, y, W, b = linear_data()
+    linear = fit_layer_linear(X, y)
+    # Ridge(alpha=1) on 2000 well-conditioned rows shrinks the coefficients by well under 1e-2.
+    np.testing.assert_allclose(linear.weight.detach().numpy(), W, atol=1e-2)
+    np.testing.assert_allclose(linear.bias.detach().numpy(), b, atol=1e-2)
+
+
+def test_mlp_lowers_loss():
+    X, y, _, _ = linear_data(n=1024, d=16, h=2, noise=0.1)
+    y = np.tanh(0.25 * y).astype(np.float32)  # a smooth non-linear target
+    config = MLPConfig(hidden_dim=8, batch_size=64, max_epochs=8, valid_fraction=0.1, seed=0)
+    module, history = fit_layer_mlp(X, y, config)
+    assert len(history["train_loss"]) == 8 and len(history["valid_loss"]) == 8
+    assert history["train_loss"][-1] < 0.5 * history["train_loss"][0]
+    assert [type(m).__name__ for m in module] == ["Linear", "GELU", "Linear"]
+
+
+def test_mlp_without_validation_split():
+    X, y, _, _ = linear_data(n=256, d=8, h=2)
+    _, history = fit_layer_mlp(X, y, MLPConfig(hidden_dim=4, batch_size=64, max_epochs=2, valid_fraction=0))
+    assert history["valid_loss"] == [] and len(history["train_loss"]) == 2
+    with pytest.raises(ValueError, match="valid_fraction"):
+        fit_layer_mlp(X, y, MLPConfig(valid_fraction=1.5))
+
+
+def test_pearson_r2():
+    x = torch.randn(500, 2, 3)
+    assert torch.allclose(pearson_r2(2 * x + 1, x), torch.ones(2, 3, dtype=torch.float64))
+    np.testing.assert_allclose(
+        pearson_r2(x[:, 0, 0:1], x[:, 1, 0:1]).item(), np.corrcoef(x[:, 0, 0], x[:, 1, 0])[0, 1] ** 2
+    )
+    with pytest.raises(ValueError):
+        pearson_r2(x, x[:, 0])
+
+
+@pytest.mark.parametrize("model_type", ["linear", "mlp"])
+def test_fit_surrogate_save_and_reload(tmp_path, model_type):
+    n, layers, d, h = 600, 2, 16, 3
+    rng = np.random.default_rng(1)
+    X = torch.from_numpy(rng.normal(size=(n, layers, d)).astype(np.float32))
+    W = torch.from_numpy(rng.normal(size=(layers, d, h)).astype(np.float32))
+    y = torch.einsum("nld,ldh->nlh", X, W)  # (n, layers, h)
+    config = MLPConfig(hidden_dim=16, batch_size=64, max_epochs=20, valid_fraction=0.05)
+    surrogate, _ = fit_surrogate(X.half(), y, model_type, mlp_config=config)
+    assert surrogate.model_type == model_type and surrogate.n_modules == layers
+    surrogate.save_pretrained(tmp_path / model_type)
+    loaded = KVzapSurrogate.from_pretrained(tmp_path / model_type)
+    torch.testing.assert_close(loaded.forward_all(X), surrogate.forward_all(X))
+    result = evaluate_surrogate(loaded, X, y)
+    assert np.asarray(result["per_head"]).shape == (layers, h)
+    assert result["mean_r2"] > (0.99 if model_type == "linear" else 0.8)
+    with pytest.raises(ValueError, match="model_type"):
+        fit_surrogate(X, y, "tree")
+
+
+def test_plot_r2(tmp_path):
+    result = {"mean_r2": 0.5, "per_head": [[0.4, 0.6], [0.5, 0.5]], "per_layer": [0.5, 0.5]}
+    path = plot_r2({"linear": result}, tmp_path / "r2.png")
+    assert path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fit_and_save_end_to_end(tmp_path, tiny_tokenizer):
+    model = make_tiny_llama()
+    texts = ["one two three four five", "six seven eight nine", "ten eleven twelve", "thirteen fourteen"]
+    prompts = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    collect(model, tiny_tokenizer, prompts[:3], tmp_path / "train", n_tokens=8, shard_size=2)
+    collect(model, tiny_tokenizer, prompts[3:], tmp_path / "test", n_tokens=8, shard_size=2)
+    collect(model, tiny_tokenizer, prompts[:2], tmp_path / "train2", n_tokens=8, shard_size=2, seed=5)
+    config = MLPConfig(hidden_dim=8, batch_size=16, max_epochs=2)
+    report = fit_and_save(
+        [tmp_path / "train", tmp_path / "train2"], tmp_path / "out", test_dir=tmp_path / "test", mlp_config=config
+    )
+    assert set(report["surrogates"]) == {"linear", "mlp"}
+    assert report["n_train_pairs"] == 8 * 5 and report["n_train_prompts"] == 5
+    saved = json.loads((tmp_path / "out" / "r2.json").read_text())
+    assert len(saved["surrogates"]["mlp"]["per_head"]) == 2 and (tmp_path / "out" / "r2.png").exists()
+    for model_type in ("linear", "mlp"):
+        loaded = KVzapSurrogate.from_pretrained(tmp_path / "out" / model_type)
+        assert (loaded.n_modules, loaded.input_dim, loaded.output_dim) == (2, 64, 2)

