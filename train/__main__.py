@@ -54,6 +54,9 @@ def _add_collect_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chunk-size", type=int, default=64, help="Query rows scored at once (default: %(default)s).")
     group.add_argument("--feature-dtype", choices=sorted(_DTYPES), default="float16", help="Storage dtype of X.")
     group.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="Model dtype (default: float32).")
+    group.add_argument(
+        "--with-kvzip", action="store_true", help="Also store plain KVzip targets (y_kvzip) for Fast KVzip gates."
+    )
 
 
 def _add_fit_args(parser: argparse.ArgumentParser) -> None:
@@ -126,6 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_fit_args(fit)
 
+    gate = sub.add_parser(
+        "gate",
+        help="Distil Fast KVzip gates from a collection made with --with-kvzip.",
+        description="Train one Fast KVzip gate per layer with BCE against KVzip scores on COLLECTION/train, "
+        "evaluate on COLLECTION/test; writes OUT (FastKVzipGates.save_pretrained) and OUT/report.json.",
+    )
+    gate.add_argument("--collection", type=Path, default=Path("outputs/collect_kvzip"), help="Output of `collect`.")
+    gate.add_argument("--out", type=Path, default=Path("outputs/gates"), help="Output folder.")
+    gate.add_argument("--model", default=None, help="The model the collection comes from (for its group size).")
+    gate.add_argument("--steps", type=int, default=5000, help="SGD steps per layer (default: %(default)s).")
+    gate.add_argument("--batch-size", type=int, default=1000, help="Pairs per step (default: %(default)s).")
+    gate.add_argument("--lr", type=float, default=0.2, help="SGD learning rate (default: %(default)s).")
+    gate.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s).")
+
     everything = sub.add_parser(
         "all",
         help="collect, then fit (OUT/collect and OUT/surrogates).",
@@ -173,6 +190,7 @@ def run_collect(args: argparse.Namespace, out: Path) -> None:
             seed=args.seed,
             feature_dtype=_DTYPES[args.feature_dtype],
             chunk_size=args.chunk_size,
+            with_kvzip=args.with_kvzip,
             accelerator=state if state.num_processes > 1 else None,
             extra_settings={
                 "data": str(args.data),
@@ -225,6 +243,33 @@ def run_fit(args: argparse.Namespace, collection: Path, out: Path, extra_train: 
             print(f"{name:>6}: saved to {entry['path']} (no held-out collection, no R^2)")
 
 
+def run_gate(args: argparse.Namespace) -> None:
+    """Distil Fast KVzip gates and print their held-out fit."""
+    from transformers import AutoConfig
+
+    from kvzap.models import DEFAULT_MODEL_NAME, default_model_dir
+    from train.gate import GateConfig, fit_gates_and_save
+
+    source = args.model if args.model not in (None, DEFAULT_MODEL_NAME) else default_model_dir()
+    config = AutoConfig.from_pretrained(source).get_text_config()
+    n_groups = config.num_attention_heads // (config.num_key_value_heads or config.num_attention_heads)
+    test_dir = args.collection / "test"
+    report = fit_gates_and_save(
+        [args.collection / "train"],
+        args.out,
+        n_groups=n_groups,
+        test_dir=test_dir if (test_dir / "manifest.json").exists() else None,
+        config=GateConfig(
+            steps=args.steps, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, seed=args.seed
+        ),
+    )
+    split = "test" if "test" in report else "train"
+    print(
+        f"gates: {split} mean R^2 of log gate vs log KVzip {report[split]['mean_r2']:.3f}, "
+        f"BCE {report[split]['mean_bce']:.4f}, saved to {args.out}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m train``."""
     args = build_parser().parse_args(argv)
@@ -255,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         run_collect(args, args.out)
     elif args.command == "fit":
         run_fit(args, args.collection, args.out, args.extra_train)
+    elif args.command == "gate":
+        run_gate(args)
     else:  # all
         run_collect(args, args.out / "collect")
         from accelerate import PartialState

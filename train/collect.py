@@ -146,6 +146,9 @@ class _ScoringState:
     chunk_size: int
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (1, seq_len, D) attention input
     scores: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (kv_heads, prompt_len) log s+
+    # Also the plain KVzip score (max attention weight, the target of Fast KVzip gates) when asked for.
+    with_kvzip: bool = False
+    kvzip: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (kv_heads, prompt_len) log a
 
 
 _ACTIVE_STATE: _ScoringState | None = None
@@ -195,6 +198,7 @@ def _kvzip_plus_log_scores(
     inv_hidden_norm = hidden[0, r0:r1].float().norm(dim=-1).clamp_min(1e-12).reciprocal()  # (repeat_len,)
 
     best = torch.full((kv_heads, groups, p1 - p0), -math.inf, device=query.device)  # max_j a_ji / ||h_j||
+    best_plain = torch.full_like(best, -math.inf) if state.with_kvzip else None  # max_j a_ji
     for c0 in range(r0, r1, state.chunk_size):
         c1 = min(c0 + state.chunk_size, r1)
         rows = c1 - c0
@@ -218,9 +222,12 @@ def _kvzip_plus_log_scores(
         # prompt columns, so the exponentials are computed once and reused.
         logits -= logits.amax(dim=-1, keepdim=True)
         logits.exp_()
-        weight = inv_hidden_norm[c0 - r0 : c1 - r0, None] / logits.sum(dim=-1, keepdim=True)  # (kv, G, rows, 1)
+        normaliser = logits.sum(dim=-1, keepdim=True)  # (kv, G, rows, 1)
+        weight = inv_hidden_norm[c0 - r0 : c1 - r0, None] / normaliser
         attn = logits[..., p0:p1] * weight  # (kv_heads, G, rows, prompt_len): a_ji / ||h_j||
         best = torch.maximum(best, attn.amax(dim=2))
+        if best_plain is not None:
+            best_plain = torch.maximum(best_plain, (logits[..., p0:p1] / normaliser).amax(dim=2))
 
     # ||W_O^h v_i||: the slice of o_proj that reads head h, applied to the value of pair i.
     # ||W v||^2 = v^T (W^T W) v, with a head_dim x head_dim Gram matrix per head instead of a D-wide product.
@@ -232,6 +239,9 @@ def _kvzip_plus_log_scores(
     value_norm = squared.clamp_min(0).sqrt()
 
     scores = (best * value_norm).amax(dim=1)  # (kv_heads, prompt_len), max over the GQA group
+    if best_plain is not None:
+        tiny = torch.finfo(torch.float32).tiny
+        state.kvzip[module.layer_idx] = best_plain.amax(dim=1).clamp_min(tiny).log()  # (kv_heads, prompt_len)
     return scores.clamp_min(torch.finfo(torch.float32).tiny).log()
 
 
@@ -327,6 +337,9 @@ class KVzipPlusOutput:
     hidden_states : torch.Tensor or None
         ``(n_layers, prompt_len, D)`` inputs of the attention layers at the prompt positions (the surrogate's
         features), when requested.
+    log_kvzip : torch.Tensor or None
+        ``(n_layers, kv_heads, prompt_len)`` log of the plain KVzip score (max attention weight over the
+        repeated rows and the GQA group), the distillation target of Fast KVzip gates, when requested.
     repeat_prompt : RepeatPrompt
         The sequence that was run.
     """
@@ -334,6 +347,7 @@ class KVzipPlusOutput:
     log_scores: torch.Tensor
     hidden_states: torch.Tensor | None
     repeat_prompt: RepeatPrompt
+    log_kvzip: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -344,6 +358,7 @@ def kvzip_plus_scores(
     *,
     return_hidden_states: bool = False,
     chunk_size: int = 64,
+    return_kvzip: bool = False,
 ) -> KVzipPlusOutput:
     """KVzip+ log-scores of every KV pair of a prompt, from one forward pass of the repeat prompt.
 
@@ -359,6 +374,8 @@ def kvzip_plus_scores(
         Also return the attention inputs at the prompt positions.
     chunk_size : int, default 64
         Query rows scored at once; bounds the extra memory to ``q_heads * chunk_size * seq_len`` floats.
+    return_kvzip : bool, default False
+        Also return the plain KVzip log-scores (the target of Fast KVzip gates).
 
     Returns
     -------
@@ -367,7 +384,9 @@ def kvzip_plus_scores(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}.")
     repeat_prompt = prompt_ids if isinstance(prompt_ids, RepeatPrompt) else build_repeat_prompt(tokenizer, prompt_ids)
-    state = _ScoringState(prompt=repeat_prompt.prompt, repeat=repeat_prompt.repeat, chunk_size=chunk_size)
+    state = _ScoringState(
+        prompt=repeat_prompt.prompt, repeat=repeat_prompt.repeat, chunk_size=chunk_size, with_kvzip=return_kvzip
+    )
     device = next(model.parameters()).device
     with _scoring_context(model, state):
         # logits_to_keep=1: the vocabulary projection of every position is wasted work here.
@@ -378,7 +397,10 @@ def kvzip_plus_scores(
     if return_hidden_states:
         p = repeat_prompt.prompt
         hidden = torch.stack([state.hidden[i][0, p].float() for i in layers])  # (n_layers, prompt_len, D)
-    return KVzipPlusOutput(log_scores=log_scores, hidden_states=hidden, repeat_prompt=repeat_prompt)
+    log_kvzip = torch.stack([state.kvzip[i] for i in layers]) if return_kvzip else None
+    return KVzipPlusOutput(
+        log_scores=log_scores, hidden_states=hidden, repeat_prompt=repeat_prompt, log_kvzip=log_kvzip
+    )
 
 
 def sample_positions(prompt_len: int, n_tokens: int, seed: int) -> torch.Tensor:
@@ -442,6 +464,7 @@ def collect(
     chunk_size: int = 64,
     accelerator=None,
     extra_settings: dict | None = None,
+    with_kvzip: bool = False,
 ) -> dict:
     """Collect (hidden state, KVzip+ log-score) pairs for a list of prompts, in resumable shards.
 
@@ -474,6 +497,9 @@ def collect(
         For data-parallel runs; ``None`` runs everything in this process.
     extra_settings : dict, optional
         Stored in ``settings.json`` (e.g. the data source) and checked on resume.
+    with_kvzip : bool, default False
+        Also store ``y_kvzip`` ``(rows, n_layers, kv_heads)``, the plain KVzip log-scores that Fast KVzip gates
+        are distilled from.
 
     Returns
     -------
@@ -500,7 +526,7 @@ def collect(
         "shard_size": shard_size,
         "seed": seed,
         "feature_dtype": str(feature_dtype).removeprefix("torch."),
-        "target": "log KVzip+ score",
+        "target": "log KVzip+ score" + (" and log KVzip score (y_kvzip)" if with_kvzip else ""),
         **(extra_settings or {}),
     }
     settings_file = out_dir / SETTINGS_NAME
@@ -531,16 +557,19 @@ def collect(
         rows = []
         for index in range(k * shard_size, min((k + 1) * shard_size, len(prompts))):
             prompt = torch.as_tensor(list(prompts[index]), dtype=torch.long)
-            result = kvzip_plus_scores(model, tokenizer, prompt, return_hidden_states=True, chunk_size=chunk_size)
-            positions = sample_positions(prompt.numel(), n_tokens, seed + index)
-            rows.append(
-                {
-                    "X": result.hidden_states[:, positions].transpose(0, 1).to(feature_dtype),  # (n, n_layers, D)
-                    "y": result.log_scores[:, :, positions].permute(2, 0, 1).float(),  # (n, n_layers, kv_heads)
-                    "prompt_index": torch.full((positions.numel(),), index, dtype=torch.long),
-                    "position": positions,
-                }
+            result = kvzip_plus_scores(
+                model, tokenizer, prompt, return_hidden_states=True, chunk_size=chunk_size, return_kvzip=with_kvzip
             )
+            positions = sample_positions(prompt.numel(), n_tokens, seed + index)
+            row = {
+                "X": result.hidden_states[:, positions].transpose(0, 1).to(feature_dtype),  # (n, n_layers, D)
+                "y": result.log_scores[:, :, positions].permute(2, 0, 1).float(),  # (n, n_layers, kv_heads)
+                "prompt_index": torch.full((positions.numel(),), index, dtype=torch.long),
+                "position": positions,
+            }
+            if with_kvzip:
+                row["y_kvzip"] = result.log_kvzip[:, :, positions].permute(2, 0, 1).float()  # (n, n_layers, H)
+            rows.append(row)
             progress.update(1)
         _write_shard(shard_path(out_dir, k), rows, {"shard": str(k), "process": str(rank)})
     progress.close()
@@ -573,13 +602,14 @@ def _write_manifest(out_dir: Path, settings: dict, n_shards: int) -> dict:
     return manifest
 
 
-def load_collection(out_dir: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def load_collection(out_dir: str | os.PathLike, target: str = "y") -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Read a finished collection.
 
     Parameters
     ----------
     out_dir : str or PathLike
         Directory written by :func:`collect`.
+    target : ``"y"`` (log KVzip+, default) or ``"y_kvzip"`` (log KVzip, collected with ``with_kvzip=True``).
 
     Returns
     -------
@@ -599,6 +629,10 @@ def load_collection(out_dir: str | os.PathLike) -> tuple[torch.Tensor, torch.Ten
     manifest = json.loads(manifest_file.read_text())
     parts = [load_file(str(out_dir / s["file"])) for s in manifest["shards"]]
     X = torch.cat([p["X"] for p in parts])  # (rows, n_layers, D)
-    y = torch.cat([p["y"] for p in parts])  # (rows, n_layers, kv_heads)
+    if target not in parts[0]:
+        raise ValueError(
+            f"The collection in {out_dir} has no {target!r} targets; collect with `--with-kvzip` for Fast KVzip gates."
+        )
+    y = torch.cat([p[target] for p in parts])  # (rows, n_layers, kv_heads)
     manifest["prompt_index"] = torch.cat([p["prompt_index"] for p in parts])
     return X, y, manifest
