@@ -1,0 +1,108 @@
+"""Decode speed, prefill time and KV memory: no press vs. KVzap with masked storage vs. compact storage.
+
+For every prompt length, each run prefills the same prompt three ways (no press, masked, compact) and greedily
+decodes ``--decode`` tokens; the modes alternate inside each run so that machine noise hits them alike, and the
+results are medians over ``--runs`` runs (decode speed: the inverse of the median step time).
+
+With ``--model DIR`` (e.g. the default model's cached copy) the prompt is real text and the scorer is the
+model's KVzap surrogate (bundled, or ``--surrogate``); without it, a random-weight Llama sized like
+SmolLM2-135M with random N(0, 1) scores (``--threshold 0.44`` evicts ~67% of the pairs leaving the window).
+``--peak-memory MODE`` runs one mode once and reports the process's peak memory (run it in a fresh process).
+
+Example::
+
+    python benchmarks/bench_decode.py --model ~/.cache/kvzap/models/SmolLM2-135M-Instruct \
+        --prefill 2048 4096 8192 --threshold -4 --decode 64 --runs 3 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import full_kv_bytes, load, medians, meta, peak_rss_mb, prefill_and_decode, prompt_ids
+from kvzap import DMSThresholdPress, KVzapScorer, RandomScorer
+from kvzap.cache import kv_bytes
+
+MODES = ("none", "masked", "compact")
+
+
+def make_press(args, mode: str) -> DMSThresholdPress:
+    scorer = KVzapScorer("mlp", surrogate=args.surrogate) if args.model else RandomScorer(seed=0)
+    return DMSThresholdPress(
+        scorer, threshold=args.threshold, sliding_window_size=args.window, decoding=args.decoding, storage=mode
+    )
+
+
+def one_run(model, mode: str, prompt: torch.Tensor, args) -> dict[str, float]:
+    press = make_press(args, mode) if mode != "none" else None
+    out, cache = prefill_and_decode(
+        model, prompt, args.decode, press(model) if press else None, kv_bytes=lambda c: kv_bytes(c).physical
+    )
+    out["evicted_share"] = press.compression_ratio if press else 0.0
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="local model directory (default: random SmolLM2-135M-sized)")
+    parser.add_argument("--surrogate", default=None, help="KVzap-MLP surrogate dir (default: bundled)")
+    parser.add_argument("--prefill", type=int, nargs="+", default=[2048], help="prompt lengths, e.g. 2048 4096 8192")
+    parser.add_argument("--decode", type=int, default=64, help="greedy tokens decoded after the prefill")
+    parser.add_argument("--runs", type=int, default=3, help="runs per mode; medians are reported")
+    parser.add_argument("--threshold", type=float, default=0.44, help="DMS threshold (-inf: evict nothing)")
+    parser.add_argument("--window", type=int, default=128, help="DMS sliding window (always kept)")
+    parser.add_argument("--no-decoding", dest="decoding", action="store_false", help="prune the prompt only")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--peak-memory", choices=MODES, default=None, help="one run of one mode, peak RSS")
+    parser.add_argument("--json", default=None, help="where to write the results")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load(args.model)
+    setup = meta(
+        tool="kvzap",
+        model=args.model or "random Llama, SmolLM2-135M sizes",
+        dtype="float32",
+        decode_tokens=args.decode,
+        runs=args.runs,
+        threshold=args.threshold,
+        window=args.window,
+        decoding_pruning=args.decoding,
+    )
+    results = []
+    for n_tokens in args.prefill:
+        prompt = prompt_ids(tokenizer, n_tokens, model.config.vocab_size)
+        if args.peak_memory:
+            before = peak_rss_mb()
+            row = one_run(model, args.peak_memory, prompt, args)
+            row.update(mode=args.peak_memory, prefill_tokens=n_tokens, peak_rss_mb=peak_rss_mb(), rss_before_mb=before)
+            results.append(row)
+            print(json.dumps(row))
+            continue
+        samples: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
+        for run in range(args.runs):
+            for mode in args.modes:  # alternate modes so that noise hits them alike
+                samples[mode].append(one_run(model, mode, prompt, args))
+                s = samples[mode][-1]
+                print(
+                    f"  {n_tokens} tokens, run {run}, {mode}: prefill {s['prefill_s']:.2f} s, "
+                    f"decode {s['decode_tok_s']:.2f} tok/s, evicted {s['evicted_share']:.1%}",
+                    flush=True,
+                )
+        row = {"prefill_tokens": n_tokens, "full_kv_bytes": full_kv_bytes(model, n_tokens)}
+        for mode in args.modes:
+            row.update({f"{mode}_{key}": value for key, value in medians(samples[mode]).items()})
+        results.append(row)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"meta": setup, "results": results}, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

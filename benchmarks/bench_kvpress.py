@@ -1,0 +1,108 @@
+"""The reference implementation measured like ``bench_decode.py``: kvpress 0.5.5 ``DMSPress(KVzapPress)``.
+
+Runs in its own virtual environment (kvpress 0.5.5 needs transformers < 5.3), with the same model, prompt,
+threshold, window and surrogate weights as the kvzap benchmark (kvpress's Hub download is bypassed by loading
+kvzap's surrogate weights into kvpress's own surrogate module). Modes: ``none`` and ``kvpress``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import full_kv_bytes, load, medians, meta, peak_rss_mb, prefill_and_decode, prompt_ids
+
+MODES = ("none", "kvpress")
+
+
+def make_press(args, model):
+    import kvpress
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    from kvzap.surrogates import KVzapSurrogate, bundled_surrogate_dir
+
+    path = args.surrogate or bundled_surrogate_dir(model.config._name_or_path, "mlp")
+    ours = KVzapSurrogate.from_pretrained(path)
+    theirs = KVzapModel(KVzapConfig(**{k: v for k, v in ours.config.items() if k != "model_type"}))
+    theirs.load_state_dict(ours.state_dict())
+    scorer = kvpress.KVzapPress(model_type="mlp")
+    scorer.kvzap_model = theirs.eval()
+    scorer.post_init_from_model = lambda model: None  # weights set above: nothing is downloaded
+    return kvpress.DMSPress(scorer, threshold=args.threshold, sliding_window_size=args.window, decoding=args.decoding)
+
+
+def dense_bytes(cache) -> int:
+    """kvpress keeps every pair (evicted keys are overwritten with fake keys), so the cache is dense."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def one_run(model, mode, prompt, args):
+    press = make_press(args, model) if mode == "kvpress" else None
+    out, _ = prefill_and_decode(model, prompt, args.decode, press(model) if press else None, kv_bytes=dense_bytes)
+    out["evicted_share"] = float(press.compression_ratio) if press else 0.0
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="local model directory")
+    parser.add_argument("--surrogate", default=None)
+    parser.add_argument("--prefill", type=int, nargs="+", default=[2048])
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threshold", type=float, default=-4.0)
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--no-decoding", dest="decoding", action="store_false")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--peak-memory", choices=MODES, default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    import kvpress  # noqa: F401  (patches attention functions: only in this process)
+
+    model, tokenizer = load(args.model)
+    setup = meta(
+        tool="kvpress 0.5.5",
+        model=args.model,
+        dtype="float32",
+        decode_tokens=args.decode,
+        runs=args.runs,
+        threshold=args.threshold,
+        window=args.window,
+        decoding_pruning=args.decoding,
+    )
+    results = []
+    for n_tokens in args.prefill:
+        prompt = prompt_ids(tokenizer, n_tokens, model.config.vocab_size)
+        if args.peak_memory:
+            row = one_run(model, args.peak_memory, prompt, args)
+            row.update(mode=args.peak_memory, prefill_tokens=n_tokens, peak_rss_mb=peak_rss_mb())
+            results.append(row)
+            print(json.dumps(row))
+            continue
+        samples = {mode: [] for mode in MODES}
+        for run in range(args.runs):
+            for mode in MODES:
+                samples[mode].append(one_run(model, mode, prompt, args))
+                s = samples[mode][-1]
+                print(
+                    f"  {n_tokens} tokens, run {run}, {mode}: prefill {s['prefill_s']:.2f} s, "
+                    f"decode {s['decode_tok_s']:.2f} tok/s, evicted {s['evicted_share']:.1%}",
+                    flush=True,
+                )
+        row = {"prefill_tokens": n_tokens, "full_kv_bytes": full_kv_bytes(model, n_tokens)}
+        for mode in MODES:
+            row.update({f"{mode}_{key}": value for key, value in medians(samples[mode]).items()})
+        results.append(row)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"meta": setup, "results": results}, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Shared pieces of the benchmarks: the model, the prompt, one timed prefill + decode, medians and metadata.
+
+Imported by ``bench_decode.py`` (kvzap, newest transformers) and ``bench_kvpress.py`` (kvpress 0.5.5,
+transformers 5.2.x, its own virtual environment), so both measure the same thing the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig
+
+# A random-weight Llama with the sizes of SmolLM2-135M, for machines without the default model.
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+
+
+def load(path: str | None):
+    """``(model, tokenizer or None)``: a local model directory, or the random SmolLM2-sized Llama."""
+    if path:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        return model.eval(), AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M), attn_implementation="sdpa")
+    return model.eval(), None
+
+
+def prompt_ids(tokenizer, n_tokens: int, vocab_size: int) -> torch.Tensor:
+    """``(1, n_tokens)``: real documentation text when a tokenizer is given (the demo's), else random ids."""
+    if tokenizer is None:
+        return torch.randint(3, vocab_size, (1, n_tokens), generator=torch.Generator().manual_seed(n_tokens))
+    from kvzap.cli import demo_context
+
+    ids = tokenizer(demo_context(tokenizer, n_tokens + 200), return_tensors="pt").input_ids[:, :n_tokens]
+    if ids.shape[1] < n_tokens:
+        raise ValueError(f"The benchmark text has only {ids.shape[1]} tokens, fewer than {n_tokens}.")
+    return ids
+
+
+def cache_kwarg(model) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def prefill_and_decode(model, prompt: torch.Tensor, n_decode: int, applied=None, kv_bytes: Callable | None = None):
+    """Prefill ``prompt`` then greedily decode ``n_decode`` tokens inside the context manager ``applied``.
+
+    Returns prefill seconds, decode tokens/s (inverse of the median step: robust to load spikes), the mean
+    rate, and ``kv_bytes(cache)`` after the prefill and after decoding when given.
+    """
+    kw = cache_kwarg(model)
+    cache = DynamicCache(config=model.config)
+    out: dict[str, float] = {}
+    with applied if applied is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        logits = model(prompt, logits_to_keep=1, **{kw: cache}).logits
+        out["prefill_s"] = time.perf_counter() - start
+        if kv_bytes is not None:
+            out["kv_bytes_after_prefill"] = kv_bytes(cache)
+        token = logits[:, -1:].argmax(-1)
+        steps = []
+        for _ in range(n_decode):
+            start = time.perf_counter()
+            token = model(token, **{kw: cache}).logits[:, -1:].argmax(-1)
+            steps.append(time.perf_counter() - start)
+        if kv_bytes is not None:
+            out["kv_bytes_after_decode"] = kv_bytes(cache)
+    out["decode_tok_s"] = 1.0 / statistics.median(steps)
+    out["decode_tok_s_mean"] = len(steps) / sum(steps)
+    return out, cache
+
+
+def medians(samples: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+
+
+def full_kv_bytes(model, n_tokens: int) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * n_kv * n_tokens * head_dim * torch.finfo(model.dtype).bits // 8
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (Linux reports kB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def meta(**extra) -> dict:
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        **extra,
+    }

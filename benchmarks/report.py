@@ -1,0 +1,92 @@
+"""Markdown tables for BENCHMARKS.md from the JSON files written by ``run_all.sh``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+MB = 2**20
+
+
+def _load(directory: Path, name: str) -> dict | None:
+    path = directory / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def report(directory: Path) -> str:
+    kvzap, kvpress = _load(directory, "kvzap.json"), _load(directory, "kvpress.json")
+    lines = []
+    if kvzap:
+        m = kvzap["meta"]
+        lines += [
+            f"Model: `{Path(m['model']).name}`, {m['dtype']}, {m['threads']} threads, threshold {m['threshold']}, "
+            f"window {m['window']}, decoding-time pruning {'on' if m['decoding_pruning'] else 'off'}, "
+            f"{m['decode_tokens']} decoded tokens, median of {m['runs']} runs; torch {m['torch']}, "
+            f"transformers {m['transformers']}"
+            + (f" (kvpress: transformers {kvpress['meta']['transformers']})" if kvpress else "")
+            + ".",
+            "",
+            "| context | evicted | KV after prefill / full: kvzap compact, masked, kvpress "
+            "| decode tok/s: none, kvzap, kvpress | kvzap / none | kvpress / none "
+            "| prefill s: none, kvzap | kvzap / none |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        theirs = {r["prefill_tokens"]: r for r in kvpress["results"]} if kvpress else {}
+        for r in kvzap["results"]:
+            t = theirs.get(r["prefill_tokens"])
+            full = r["full_kv_bytes"]
+            kvp_mem = f"{t['kvpress_kv_bytes_after_prefill'] / full:.2f}" if t else "-"
+            kvp_tok = f"{t['kvpress_decode_tok_s']:.2f}" if t else "-"
+            kvp_ratio = f"{t['kvpress_decode_tok_s'] / t['none_decode_tok_s']:.2f}x" if t else "-"
+            lines.append(
+                f"| {r['prefill_tokens']} | {r['compact_evicted_share']:.1%} "
+                f"| {r['compact_kv_bytes_after_prefill'] / full:.2f} ({r['compact_kv_bytes_after_prefill'] / MB:.0f} "
+                f"of {full / MB:.0f} MB), {r['masked_kv_bytes_after_prefill'] / full:.2f}, {kvp_mem} "
+                f"| {r['none_decode_tok_s']:.2f}, {r['compact_decode_tok_s']:.2f}, {kvp_tok} "
+                f"| **{r['compact_decode_tok_s'] / r['none_decode_tok_s']:.2f}x** | {kvp_ratio} "
+                f"| {r['none_prefill_s']:.2f}, {r['compact_prefill_s']:.2f} "
+                f"| {r['compact_prefill_s'] / r['none_prefill_s']:.2f}x |"
+            )
+    inf = _load(directory, "kvzap_no_eviction.json")
+    if inf:
+        lines += ["", "Threshold -inf (scoring runs, nothing is evicted):", ""]
+        for r in inf["results"]:
+            speed = r["compact_decode_tok_s"] / r["none_decode_tok_s"]
+            lines.append(
+                f"- {r['prefill_tokens']} tokens: decode {r['compact_decode_tok_s']:.2f} vs "
+                f"{r['none_decode_tok_s']:.2f} tok/s (**{speed:.2f}x**), prefill "
+                f"{r['compact_prefill_s'] / r['none_prefill_s']:.2f}x"
+            )
+    peaks = {mode: _load(directory, f"peak_{mode}.json") for mode in ("none", "compact", "kvpress")}
+    if all(peaks.values()):
+        rows = {mode: peaks[mode]["results"][0] for mode in peaks}
+        lines += [
+            "",
+            "Peak process memory (max RSS), 8k-token prefill + 256 decoded tokens, one fresh process each:",
+            "",
+            "| run | peak RSS (MB) | KV after decoding (MB) |",
+            "|---|---|---|",
+        ]
+        names = {"none": "no press", "compact": "kvzap (compact)", "kvpress": "kvpress 0.5.5"}
+        for mode, row in rows.items():
+            lines.append(f"| {names[mode]} | {row['peak_rss_mb']:.0f} | {row['kv_bytes_after_decode'] / MB:.0f} |")
+    collect = _load(directory, "collect.json")
+    if collect:
+        sec = collect["seconds"]
+        base = sec["plain_sdpa_last_logits"]
+        lines += [
+            "",
+            f"KVzip+ target collection, one {collect['meta']['repeat_tokens']}-token repeat prompt "
+            f"(median of {collect['meta']['runs']} runs):",
+            "",
+            "| forward | seconds | vs plain sdpa |",
+            "|---|---|---|",
+        ]
+        for name, seconds in sec.items():
+            lines.append(f"| {name} | {seconds:.2f} | {seconds / base:.2f}x |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")))

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Every figure of BENCHMARKS.md in one run: kvzap (this environment) and kvpress 0.5.5 (its own environment,
+# transformers 5.2.x) on the same model, text, threshold and surrogate, then the tables (benchmarks/report.py).
+#   KVPRESS_PYTHON=/path/to/kvpress-venv/bin/python benchmarks/run_all.sh [MODEL_DIR] [THRESHOLD]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${1:-$HOME/.cache/kvzap/models/SmolLM2-135M-Instruct}
+TAU=${2:--3.4}  # about 67% evicted (3x compression) with the bundled KVzap-MLP surrogate: `kvzap calibrate`
+PY=${PYTHON:-python}
+KVP=${KVPRESS_PYTHON:?set KVPRESS_PYTHON to the python of a virtual environment with kvpress==0.5.5}
+OUT=${OUT:-benchmarks/results}
+THREADS=${THREADS:-2}
+export PYTHONPATH=.
+mkdir -p "$OUT"
+common=(--model "$MODEL" --threads "$THREADS")
+
+"$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 64 --runs 3 \
+    --json "$OUT/kvzap.json"
+"$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 8192 --threshold=-inf --decode 64 --runs 3 \
+    --modes none compact --json "$OUT/kvzap_no_eviction.json"
+"$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 64 --runs 3 \
+    --json "$OUT/kvpress.json"
+# Peak process memory: one fresh process per mode, 8k prefill + 256 decoded tokens.
+for mode in none compact; do
+    "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \
+        --peak-memory "$mode" --json "$OUT/peak_$mode.json"
+done
+"$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \
+    --peak-memory kvpress --json "$OUT/peak_kvpress.json"
+"$PY" -m benchmarks.bench_collect --threads "$THREADS" --runs 3 --json "$OUT/collect.json"
+"$PY" -m benchmarks.report "$OUT" | tee "$OUT/report.md"
