@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--surrogate", default=None, help="surrogate dir or Hub id (default: bundled for the model)")
     demo.add_argument("--threshold", type=float, default=-4.0)
     demo.add_argument("--window", type=int, default=128, help="sliding window size")
-    demo.add_argument("--context-tokens", type=int, default=4000)
+    demo.add_argument("--context-tokens", type=int, default=2000)
     demo.add_argument("--max-new-tokens", type=int, default=24)
     demo.set_defaults(func=_demo)
 
