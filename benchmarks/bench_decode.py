@@ -18,12 +18,10 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
-from benchmarks.common import full_kv_bytes, load, medians, meta, peak_rss_mb, prefill_and_decode, prompt_ids
+from benchmarks.common import load, meta, prefill_and_decode, sweep, write_results
 from kvzap import DMSThresholdPress, KVzapScorer, RandomScorer
 from kvzap.cache import kv_bytes
 
@@ -74,34 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         window=args.window,
         decoding_pruning=args.decoding,
     )
-    results = []
-    for n_tokens in args.prefill:
-        prompt = prompt_ids(tokenizer, n_tokens, model.config.vocab_size)
-        if args.peak_memory:
-            before = peak_rss_mb()
-            row = one_run(model, args.peak_memory, prompt, args)
-            row.update(mode=args.peak_memory, prefill_tokens=n_tokens, peak_rss_mb=peak_rss_mb(), rss_before_mb=before)
-            results.append(row)
-            print(json.dumps(row))
-            continue
-        samples: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
-        for run in range(args.runs):
-            for mode in args.modes:  # alternate modes so that noise hits them alike
-                samples[mode].append(one_run(model, mode, prompt, args))
-                s = samples[mode][-1]
-                print(
-                    f"  {n_tokens} tokens, run {run}, {mode}: prefill {s['prefill_s']:.2f} s, "
-                    f"decode {s['decode_tok_s']:.2f} tok/s, evicted {s['evicted_share']:.1%}",
-                    flush=True,
-                )
-        row = {"prefill_tokens": n_tokens, "full_kv_bytes": full_kv_bytes(model, n_tokens)}
-        for mode in args.modes:
-            row.update({f"{mode}_{key}": value for key, value in medians(samples[mode]).items()})
-        results.append(row)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"meta": setup, "results": results}, indent=2))
-        print(f"wrote {args.json}")
+    results = sweep(model, tokenizer, args, args.modes, one_run)
+    write_results(args.json, setup, results)
 
 
 if __name__ == "__main__":

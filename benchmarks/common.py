@@ -7,11 +7,13 @@ transformers 5.2.x, its own virtual environment), so both measure the same thing
 from __future__ import annotations
 
 import contextlib
+import json
 import platform
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import transformers
@@ -90,6 +92,43 @@ def prefill_and_decode(model, prompt: torch.Tensor, n_decode: int, applied=None,
 
 def medians(samples: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+
+
+def sweep(model, tokenizer, args, modes: Sequence[str], one_run: Callable) -> list[dict]:
+    """For every ``args.prefill`` length, ``args.runs`` runs of every mode (alternating, so that machine noise
+    hits them alike) reduced to medians; with ``args.peak_memory``, one run of that mode (run it in a fresh
+    process: the peak is the process's)."""
+    results = []
+    for n_tokens in args.prefill:
+        prompt = prompt_ids(tokenizer, n_tokens, model.config.vocab_size)
+        if args.peak_memory:
+            row = one_run(model, args.peak_memory, prompt, args)
+            row.update(mode=args.peak_memory, prefill_tokens=n_tokens, peak_rss_mb=peak_rss_mb())
+            results.append(row)
+            print(json.dumps(row))
+            continue
+        samples: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+        for run in range(args.runs):
+            for mode in modes:
+                samples[mode].append(one_run(model, mode, prompt, args))
+                s = samples[mode][-1]
+                print(
+                    f"  {n_tokens} tokens, run {run}, {mode}: prefill {s['prefill_s']:.2f} s, "
+                    f"decode {s['decode_tok_s']:.2f} tok/s, evicted {s['evicted_share']:.1%}",
+                    flush=True,
+                )
+        row = {"prefill_tokens": n_tokens, "full_kv_bytes": full_kv_bytes(model, n_tokens)}
+        for mode in modes:
+            row.update({f"{mode}_{key}": value for key, value in medians(samples[mode]).items()})
+        results.append(row)
+    return results
+
+
+def write_results(path: str | None, setup: dict, results: list[dict]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"meta": setup, "results": results}, indent=2))
+        print(f"wrote {path}")
 
 
 def full_kv_bytes(model, n_tokens: int) -> int:
