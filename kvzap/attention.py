@@ -7,7 +7,8 @@ and adding a new name to the registry changes no existing implementation.
 
 The attention function receives the attention module but not the cache, so the press binds each attention
 module to its current cache layer (in a forward pre-hook) through :func:`bind`; modules without a binding, or
-whose layer has evicted nothing, run transformers' own sdpa unchanged, bit for bit.
+whose layer can be read densely (nothing evicted from a masked layer, the first forward of a compact one), run
+transformers' own sdpa unchanged, bit for bit.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def kvzap_attention(
     output ``(B, q, Hq, d)``.
     """
     layer = _BINDINGS.get(module)
-    if layer is None or not layer.has_evictions:
+    if layer is None or not layer.reads_own_storage:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )

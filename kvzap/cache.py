@@ -130,6 +130,12 @@ class PrunableLayer:
     def has_evictions(self) -> bool:
         return self.n_evicted is not None and bool(self.n_evicted.any())
 
+    @property
+    def reads_own_storage(self) -> bool:
+        """True when attention must go through :meth:`attend` (what ``update`` returned is not the whole cache,
+        or evicted pairs must be hidden); otherwise transformers' own sdpa reads ``update``'s output."""
+        return self.has_evictions
+
 
 class _MaskedStorage(PrunableLayer):
     """Dense storage plus a ``keep`` mask aligned with the stored keys.

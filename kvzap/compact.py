@@ -51,8 +51,8 @@ def _trimmed_slack(n: int) -> int:
 class CompactLayer(PrunableLayer, DynamicLayer):
     """A full-attention cache layer holding only the kept pairs of every (batch row, KV head).
 
-    ``update`` returns the dense keys/values while nothing has been evicted (transformers' own sdpa reads them,
-    as in the prefill) and the new pairs only afterwards, when :meth:`attend` reads this layer's storage.
+    ``update`` returns the new pairs: on the first forward they are the whole cache and transformers' own sdpa
+    reads them (dense prefill); afterwards :meth:`attend` reads this layer's storage.
     ``get_seq_length()`` is the number of tokens seen, so position ids and mask sizes are those of an unpruned
     cache.
     """
@@ -69,6 +69,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._v: list[torch.Tensor] = []  # per (b, h): (capacity, d)
         self._pos: list[torch.Tensor] = []  # per (b, h): (capacity,) absolute positions
         self._n: list[int] = []  # per (b, h): live slots 0 .. n - 1
+        self._first_forward = True  # the new pairs of the first update are the whole cache
         # id(key buffer) -> (weak reference to it, length of the prefix a snapshot references); not restored.
         self._protected: dict[int, tuple[weakref.ref, int]] = {}
 
@@ -128,15 +129,6 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             self._alloc(i, new_n + _trimmed_slack(new_n))
         return n_removed
 
-    def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(B, H, seen, d)`` keys and values; only valid while nothing was evicted (slots in position order)."""
-        keys = torch.stack([k[: self.seen] for k in self._k])  # (B*H, seen, d)
-        values = torch.stack([v[: self.seen] for v in self._v])
-        return (
-            keys.view(self._bsz, self._heads, self.seen, -1),  # (B, H, seen, d)
-            values.view(self._bsz, self._heads, self.seen, -1),
-        )
-
     # --- transformers cache layer ------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         bsz, n_heads, _, head_dim = key_states.shape
@@ -153,10 +145,11 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self.n_evicted = torch.zeros(bsz, n_heads, dtype=torch.long, device=self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new pairs ``(B, H, q, d)``.
+        """Store the new pairs ``(B, H, q, d)`` and return them.
 
-        Returns the dense keys/values ``(B, H, seen, d)`` while nothing was evicted (transformers' sdpa reads
-        them), otherwise the new pairs only: :meth:`attend` then reads the per-head storage and ignores them.
+        On the sequence's first forward they are the whole cache, and transformers' sdpa reads them (dense
+        prefill); afterwards :meth:`attend` reads the per-head storage and ignores them, so no forward ever
+        copies the cache into a dense tensor.
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -165,13 +158,15 @@ class CompactLayer(PrunableLayer, DynamicLayer):
                 f"This cache layer holds {self._bsz} sequences x {self._heads} KV heads, got new pairs of shape "
                 f"{tuple(key_states.shape)}: use a fresh cache for a new batch."
             )
-        first = self.seen == 0
+        self._first_forward = self.seen == 0
         self._append(key_states, value_states)
         self.seen += key_states.shape[-2]
         self.last_keys, self.last_values = key_states, value_states
-        if self.has_evictions or first:
-            return key_states, value_states  # first call: the new pairs are the whole (dense) cache
-        return self._dense()
+        return key_states, value_states
+
+    @property
+    def reads_own_storage(self) -> bool:
+        return not self._first_forward
 
     def get_seq_length(self) -> int:
         """Tokens seen (true positions), not pairs stored: transformers derives position ids from it."""

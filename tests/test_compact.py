@@ -178,13 +178,17 @@ def test_sliding_layers_keep_the_masked_storage():
     assert not isinstance(compact_layer_like(DynamicSlidingWindowLayer(sliding_window=8)), CompactLayer)
 
 
-def test_without_evictions_update_returns_the_dense_cache():
+def test_without_evictions_compact_reads_its_own_storage_after_the_prefill():
     model = tiny_model("llama")
     logits = {}
     for compact in (False, True):
         cache = DynamicCache(config=model.config)
         press = _press(threshold=float("-inf"), storage="compact" if compact else "masked")
         logits[compact] = _steps(model, press, cache, batch=2, n_decode=2)
-    assert isinstance(cache.layers[0], CompactLayer) and not cache.layers[0].has_evictions
-    for a, b in zip(logits[False], logits[True], strict=True):
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    layer = cache.layers[0]
+    assert isinstance(layer, CompactLayer) and not layer.has_evictions and layer.reads_own_storage
+    # The prefill runs transformers' sdpa on the same tensors: identical. Later steps read the per-head buffers
+    # (no dense copy of the cache per step): equal to float precision.
+    torch.testing.assert_close(logits[True][0], logits[False][0], rtol=0, atol=0)
+    for a, b in zip(logits[False][1:], logits[True][1:], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

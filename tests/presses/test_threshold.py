@@ -104,7 +104,11 @@ def test_threshold_minus_inf_gives_identical_logits(family, decoding, storage):
         RandomScorer(0), threshold=-math.inf, sliding_window_size=4, decoding=decoding, storage=storage
     )
     _, logits = run(model, press, ids, chunks)
-    assert torch.equal(logits, torch.cat(reference, dim=1))
+    if storage == "masked":  # transformers' own sdpa on the same tensors, bit for bit
+        assert torch.equal(logits, torch.cat(reference, dim=1))
+    else:  # after the prefill, compact layers attend per KV head over their own buffers: float precision
+        assert torch.equal(logits[:, :30], reference[0])
+        torch.testing.assert_close(logits, torch.cat(reference, dim=1), rtol=1e-5, atol=1e-5)
     assert press.compression_ratio == 0.0
 
 
