@@ -41,9 +41,7 @@ class _ScoreRecorder(BasePress):
     def process_layer(self, module: nn.Module, layer: PrunableLayer, hidden_states: torch.Tensor, prefill: bool):
         if not prefill:
             return False
-        q_len = hidden_states.shape[1]
-        positions = torch.arange(layer.seen - q_len, layer.seen, device=hidden_states.device)
-        scores = self.scorer.score(module, hidden_states, layer.last_keys, layer.last_values, positions)
+        scores = self.scorer.score_new_pairs(module, layer, hidden_states)  # (B, H, T)
         self.scores[_compat.layer_index(module)] = scores[0].float().cpu()  # (H, T)
         return True
 

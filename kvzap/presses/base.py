@@ -70,6 +70,12 @@ class Scorer(ABC):
         Tensor ``(B, H, q)``.
         """
 
+    def score_new_pairs(self, module: nn.Module, layer: PrunableLayer, hidden_states: torch.Tensor) -> torch.Tensor:
+        """:meth:`score` of the pairs a layer's last update appended, at their absolute positions: ``(B, H, q)``."""
+        q_len = hidden_states.shape[1]
+        positions = torch.arange(layer.seen - q_len, layer.seen, device=hidden_states.device)
+        return self.score(module, hidden_states, layer.last_keys, layer.last_values, positions)
+
 
 @dataclass
 class BasePress(ABC):

@@ -93,8 +93,7 @@ class DMSThresholdPress(BasePress):
         if not (prefill or self.decoding):
             return False  # decoding-time pruning is off: the window tokens of the prefill stay kept
         q_len = hidden_states.shape[1]
-        positions = torch.arange(layer.seen - q_len, layer.seen, device=hidden_states.device)
-        scores = self.scorer.score(module, hidden_states, layer.last_keys, layer.last_values, positions)  # (B,H,q)
+        scores = self.scorer.score_new_pairs(module, layer, hidden_states)  # (B, H, q)
 
         state = layer.press_state
         pending, start = state.get("pending"), state.get("pending_start")

@@ -47,8 +47,7 @@ class TopKPress(BasePress):
         q_len = hidden_states.shape[1]
         n_evict = int(q_len * self.target_compression)
         if n_evict > 0:
-            positions = torch.arange(layer.seen - q_len, layer.seen, device=hidden_states.device)
-            scores = self.scorer.score(module, hidden_states, layer.last_keys, layer.last_values, positions)
+            scores = self.scorer.score_new_pairs(module, layer, hidden_states)  # (B, H, q)
             lowest = scores.topk(n_evict, dim=-1, largest=False).indices  # (B, H, n_evict)
             mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, lowest, True)
             layer.evict(layer.seen - q_len, mask)
