@@ -32,6 +32,14 @@ def _part(prediction: str, refs: Sequence[str]) -> float:
     return float(any(ref.lower() in text for ref in refs))
 
 
+def _mean_percent(per_sample, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
+    """100 x the mean of ``per_sample(prediction, references)`` over samples (0.0 for no samples)."""
+    _check(predictions, references)
+    if not predictions:
+        return 0.0
+    return 100.0 * sum(per_sample(p, r) for p, r in zip(predictions, references, strict=True)) / len(predictions)
+
+
 def string_match_all(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
     """Mean over samples of the share of references contained in the prediction, in percent.
 
@@ -44,10 +52,7 @@ def string_match_all(predictions: Sequence[str], references: Sequence[Sequence[s
     -------
     float in [0, 100]; 0.0 for no samples.
     """
-    _check(predictions, references)
-    if not predictions:
-        return 0.0
-    return 100.0 * sum(_all(p, r) for p, r in zip(predictions, references, strict=True)) / len(predictions)
+    return _mean_percent(_all, predictions, references)
 
 
 def string_match_part(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
@@ -62,10 +67,7 @@ def string_match_part(predictions: Sequence[str], references: Sequence[Sequence[
     -------
     float in [0, 100]; 0.0 for no samples.
     """
-    _check(predictions, references)
-    if not predictions:
-        return 0.0
-    return 100.0 * sum(_part(p, r) for p, r in zip(predictions, references, strict=True)) / len(predictions)
+    return _mean_percent(_part, predictions, references)
 
 
 #: Metric name (as in :class:`evaluation.ruler.TaskSpec`) -> corpus-level function.
