@@ -79,16 +79,22 @@ def test_positions_and_seq_length_match_the_unpruned_cache():
 def test_physical_bytes_follow_kept_pairs():
     model = tiny_model("llama")
     cache = DynamicCache(config=model.config)
-    _steps(model, _press(threshold=0.5), cache, batch=2, prefill=200, n_decode=1)
+    _steps(model, _press(threshold=0.5), cache, batch=2, prefill=600, n_decode=1)
     layer = cache.layers[0]
     d = model.config.hidden_size // model.config.num_attention_heads
-    pair_bytes = 2 * d * 4 + 8  # fp32 key + value, long position
-    assert layer.physical_bytes() == int(layer.capacities().sum()) * pair_bytes
-    assert layer.kept_bytes() == int(layer.kept_counts().sum()) * (pair_bytes - 8)
-    assert layer.full_bytes() == 2 * layer._heads * layer.seen * (pair_bytes - 8)
+    pair_bytes = 2 * d * 4  # fp32 key + value
+    bs = layer.block_size
+    assert layer.kept_bytes() == int(layer.kept_counts().sum()) * pair_bytes
+    assert layer.full_bytes() == 2 * layer._heads * layer.seen * pair_bytes
     kept, cap = layer.kept_counts(), layer.capacities()
-    assert bool((cap >= kept).all()) and bool((cap <= kept + kept // 4 + 32).all())  # slack stays bounded
-    assert layer.physical_bytes() < 0.5 * layer.seen * layer._heads * 2 * pair_bytes  # ~70% pruned
+    # Each head holds whole blocks, only its last one partly filled.
+    assert bool((cap >= kept).all()) and bool((cap - kept < bs).all())
+    # The pool: the heads' blocks plus a few free ones; per slot a key, a value, a position and a valid flag.
+    assert layer.num_blocks * bs >= int(cap.sum()) and layer.num_blocks <= int(cap.sum()) // bs * 33 // 32 + 4
+    pool = layer.num_blocks * bs * (pair_bytes + 8 + 1)
+    slot_map = layer._slot.numel() * 4
+    assert pool + slot_map < layer.physical_bytes() < pool + slot_map + 4096
+    assert layer.physical_bytes() < 0.6 * layer.full_bytes()  # ~70% pruned
 
 
 def test_freed_slots_are_reused_during_decoding():
@@ -100,38 +106,30 @@ def test_freed_slots_are_reused_during_decoding():
     with torch.no_grad(), press(model):
         model(random_ids(1, 30), **{kw: cache})
         layer = cache.layers[0]
-        buffers = [k.data_ptr() for k in layer._k]
+        pool = (layer._kb.data_ptr(), layer._vb.data_ptr(), layer.num_blocks)
         counts, caps = layer.kept_counts(), layer.capacities()
         for step in range(10):
             model(random_ids(1, 1, seed=step), **{kw: cache})
             assert torch.equal(layer.kept_counts(), counts) and torch.equal(layer.capacities(), caps)
-    assert [k.data_ptr() for k in layer._k] == buffers  # no reallocation, no copy
+    assert (layer._kb.data_ptr(), layer._vb.data_ptr(), layer.num_blocks) == pool  # no reallocation, no copy
     assert counts.tolist() == [[4, 4]] and layer.seen == 40
+    assert sorted(layer.stored_pairs(0, 0)[2].tolist()) == [36, 37, 38, 39]
 
 
-def test_snapshot_restore_round_trip():
-    model = tiny_model("qwen3")
-    kw = _compat.cache_kwarg_name(model)
-    cache, press = DynamicCache(config=model.config), _press()
-    question_a, question_b = random_ids(1, 7, seed=3), random_ids(1, 9, seed=4)
-    with torch.no_grad(), press(model):
-        model(random_ids(1, 40), **{kw: cache})
-        before = [
-            (layer.kept_counts(), [k[:n].clone() for k, n in zip(layer._k, layer._n, strict=True)])
-            for layer in cache.layers
-        ]
-        snap = snapshot_cache(cache)
-        first = model(question_a, **{kw: cache}).logits
-        model(first[:, -1:].argmax(-1), **{kw: cache})  # decoding evicts inside the checkpoint's prefix
-        restore_cache(cache, snap)
-        model(question_b, **{kw: cache})
-        restore_cache(cache, snap)
-        for layer, (counts, keys) in zip(cache.layers, before, strict=True):
-            assert layer.seen == 40 and torch.equal(layer.kept_counts(), counts)
-            for k, n, ref in zip(layer._k, layer._n, keys, strict=True):
-                torch.testing.assert_close(k[:n], ref, rtol=0, atol=0)
-        again = model(question_a, **{kw: cache}).logits
-    torch.testing.assert_close(again, first, rtol=0, atol=0)
+def test_blocks_emptied_by_evictions_return_to_the_free_list():
+    layer = CompactLayer(block_size=4)
+    layer.update(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8))  # 3 blocks per head
+    assert layer.capacities().tolist() == [[12, 12]]
+    free_before = len(layer._free)
+    for position in (9, 8):  # two single-position evictions on head 0: 10 -> 8 pairs, its last block empties
+        layer.evict(position, torch.tensor([[[True], [False]]]))
+    assert layer.kept_counts().tolist() == [[8, 10]] and layer.capacities().tolist() == [[8, 12]]
+    assert len(layer._free) == free_before + 1
+    freed = layer._free[-1]
+    layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))  # both heads need one more block
+    assert layer.capacities().tolist() == [[12, 16]]
+    assert freed in layer._blocks[0] + layer._blocks[1]  # the freed block is reused
+    assert sorted(layer.stored_pairs(0, 0)[2].tolist()) == list(range(8)) + [10, 11, 12]
 
 
 def _filled(bsz=2, heads=2, length=10, d=4):
@@ -152,7 +150,7 @@ def test_evict_crop_and_batch_ops_keep_counts_exact():
     assert torch.equal(layer.n_evicted, masked.n_evicted) and torch.equal(layer.kept_counts(), masked.kept_counts())
     assert layer.get_seq_length() == 7
     for i in range(4):
-        assert sorted(layer._pos[i][: layer._n[i]].tolist()) == [
+        assert sorted(layer.stored_pairs(i // 2, i % 2)[2].tolist()) == [
             p for p in range(7) if not (2 <= p < 8 and mask.view(4, 6)[i, p - 2])
         ]
     layer.batch_repeat_interleave(2)
@@ -187,7 +185,7 @@ def test_without_evictions_compact_reads_its_own_storage_after_the_prefill():
         logits[compact] = _steps(model, press, cache, batch=2, n_decode=2)
     layer = cache.layers[0]
     assert isinstance(layer, CompactLayer) and not layer.has_evictions and layer.reads_own_storage
-    # The prefill runs transformers' sdpa on the same tensors: identical. Later steps read the per-head buffers
+    # The prefill runs transformers' sdpa on the same tensors: identical. Later steps read the blocks
     # (no dense copy of the cache per step): equal to float precision.
     torch.testing.assert_close(logits[True][0], logits[False][0], rtol=0, atol=0)
     for a, b in zip(logits[False][1:], logits[True][1:], strict=True):
