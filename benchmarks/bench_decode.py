@@ -56,16 +56,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-decoding", dest="decoding", action="store_false", help="prune the prompt only")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--peak-memory", choices=MODES, default=None, help="one run of one mode, peak RSS")
     parser.add_argument("--json", default=None, help="where to write the results")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, args.device, args.dtype)
     setup = meta(
         tool="kvzap",
         model=args.model or "random Llama, SmolLM2-135M sizes",
-        dtype="float32",
+        device=args.device,
+        dtype=args.dtype,
         decode_tokens=args.decode,
         runs=args.runs,
         threshold=args.threshold,

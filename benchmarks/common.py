@@ -33,14 +33,21 @@ SMOLLM2_135M = dict(
 )
 
 
-def load(path: str | None):
+def load(path: str | None, device: str = "cpu", dtype: str = "float32"):
     """``(model, tokenizer or None)``: a local model directory, or the random SmolLM2-sized Llama."""
+    torch_dtype = getattr(torch, dtype)
     if path:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-        return model.eval(), AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+        return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M), attn_implementation="sdpa")
-    return model.eval(), None
+    return model.to(device=device, dtype=torch_dtype).eval(), None
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so that wall-clock timings cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def prompt_ids(tokenizer, n_tokens: int, vocab_size: int) -> torch.Tensor:
@@ -71,9 +78,15 @@ def prefill_and_decode(model, prompt: torch.Tensor, n_decode: int, applied=None,
     kw = cache_kwarg(model)
     cache = DynamicCache(config=model.config)
     out: dict[str, float] = {}
+    device = model.device
+    prompt = prompt.to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     with applied if applied is not None else contextlib.nullcontext():
+        _sync(device)
         start = time.perf_counter()
         logits = model(prompt, logits_to_keep=1, **{kw: cache}).logits
+        _sync(device)
         out["prefill_s"] = time.perf_counter() - start
         if kv_bytes is not None:
             out["kv_bytes_after_prefill"] = kv_bytes(cache)
@@ -82,9 +95,12 @@ def prefill_and_decode(model, prompt: torch.Tensor, n_decode: int, applied=None,
         for _ in range(n_decode):
             start = time.perf_counter()
             token = model(token, **{kw: cache}).logits[:, -1:].argmax(-1)
+            _sync(device)
             steps.append(time.perf_counter() - start)
         if kv_bytes is not None:
             out["kv_bytes_after_decode"] = kv_bytes(cache)
+    if device.type == "cuda":
+        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     out["decode_tok_s"] = 1.0 / statistics.median(steps)
     out["decode_tok_s_mean"] = len(steps) / sum(steps)
     return out, cache
@@ -144,7 +160,9 @@ def peak_rss_mb() -> float:
 
 
 def meta(**extra) -> dict:
+    gpu = {"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}
     return {
+        **gpu,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
