@@ -38,7 +38,13 @@ def make_press(args, mode: str) -> DMSThresholdPress:
 def one_run(model, mode: str, prompt: torch.Tensor, args) -> dict[str, float]:
     press = make_press(args, mode) if mode != "none" else None
     out, cache = prefill_and_decode(
-        model, prompt, args.decode, press(model) if press else None, kv_bytes=lambda c: kv_bytes(c).physical
+        model,
+        prompt,
+        args.decode,
+        press(model) if press else None,
+        kv_bytes=lambda c: kv_bytes(c).physical,
+        chunk_size=args.prefill_chunk,
+        prefilling=press.prefilling if press else None,
     )
     out["evicted_share"] = press.compression_ratio if press else 0.0
     return out
@@ -57,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=None, help="prefill in chunks of this many tokens (pruned after each)"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--peak-memory", choices=MODES, default=None, help="one run of one mode, peak RSS")
     parser.add_argument("--json", default=None, help="where to write the results")
@@ -74,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         threshold=args.threshold,
         window=args.window,
         decoding_pruning=args.decoding,
+        prefill_chunk=args.prefill_chunk,
     )
     results = sweep(model, tokenizer, args, args.modes, one_run)
     write_results(args.json, setup, results)

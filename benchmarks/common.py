@@ -69,9 +69,19 @@ def cache_kwarg(model) -> str:
 
 
 @torch.no_grad()
-def prefill_and_decode(model, prompt: torch.Tensor, n_decode: int, applied=None, kv_bytes: Callable | None = None):
+def prefill_and_decode(
+    model,
+    prompt: torch.Tensor,
+    n_decode: int,
+    applied=None,
+    kv_bytes: Callable | None = None,
+    chunk_size: int | None = None,
+    prefilling: Callable | None = None,
+):
     """Prefill ``prompt`` then greedily decode ``n_decode`` tokens inside the context manager ``applied``.
 
+    With ``chunk_size``, the prompt is prefilled in chunks of that many tokens inside ``prefilling()`` (a
+    press's :meth:`~kvzap.presses.base.BasePress.prefilling`, so that each chunk is pruned as prompt).
     Returns prefill seconds, decode tokens/s (inverse of the median step: robust to load spikes), the mean
     rate, and ``kv_bytes(cache)`` after the prefill and after decoding when given.
     """
@@ -85,7 +95,10 @@ def prefill_and_decode(model, prompt: torch.Tensor, n_decode: int, applied=None,
     with applied if applied is not None else contextlib.nullcontext():
         _sync(device)
         start = time.perf_counter()
-        logits = model(prompt, logits_to_keep=1, **{kw: cache}).logits
+        chunk = chunk_size or prompt.shape[1]
+        with prefilling() if prefilling is not None and chunk < prompt.shape[1] else contextlib.nullcontext():
+            for begin in range(0, prompt.shape[1], chunk):
+                logits = model(prompt[:, begin : begin + chunk], logits_to_keep=1, **{kw: cache}).logits
         _sync(device)
         out["prefill_s"] = time.perf_counter() - start
         if kv_bytes is not None:

@@ -46,8 +46,8 @@ from kvzap.cache import PrunableLayer, prunable_layer_like
 __all__ = ["CompactLayer", "compact_layer_like", "DEFAULT_BLOCK_SIZE"]
 
 #: Slots per block. Small enough that the partly filled last block of each head wastes little (on average half
-#: a block per head: 0.7 MB for SmolLM2-135M), large enough that the batched matmuls over blocks stay efficient
-#: (measured on 2 CPU threads, 8.7k kept pairs: 64 slots was 2-3x faster than 16 or 32).
+#: a block per head: 1.5 MB for SmolLM2-135M in fp32), large enough that the batched matmuls over blocks stay
+#: efficient (measured on 2 CPU threads, 8.7k kept pairs: 64 slots was 2-3x faster than 16 or 32).
 DEFAULT_BLOCK_SIZE = 64
 
 # Evictions of at most this many positions per call use swap-remove; more repack the pool.
