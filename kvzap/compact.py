@@ -88,6 +88,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._pb = None  # (num_blocks, block_size) long: absolute positions (0 in free slots)
         self._valid = None  # (num_blocks, block_size) bool: slot holds a live pair
         self._owner = None  # (num_blocks,) long: owning head, or _nh for a free block
+        self._routing_cache = None  # see _routing
         self._table = None  # (nh, max_blocks) long: block ids of each head in order (0 past its blocks)
         self._slot = None  # (nh, positions capacity) int32: flat slot of (head, position), -1 if not stored
         self._n_t = None  # (nh,) long: live pairs per head
@@ -111,6 +112,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._pb = torch.zeros(num_blocks, bs, dtype=torch.long, device=dev)
         self._valid = torch.zeros(num_blocks, bs, dtype=torch.bool, device=dev)
         self._owner = torch.full((num_blocks,), self._nh, dtype=torch.long, device=dev)
+        self._routing_cache = None
 
     def _grow_pool(self, needed: int) -> None:
         """Add free blocks so that at least ``needed`` are free (geometric growth: amortised O(1) per pair)."""
@@ -125,6 +127,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._pb = torch.cat([self._pb, self._pb.new_zeros(extra, bs)])
         self._valid = torch.cat([self._valid, self._valid.new_zeros(extra, bs)])
         self._owner = torch.cat([self._owner, self._owner.new_full((extra,), self._nh)])
+        self._routing_cache = None
         self._free[:0] = range(old, old + extra)  # blocks are taken from the end: recently freed ones first
 
     def _ensure_table_width(self, width: int) -> None:
@@ -145,6 +148,16 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             return
         if bool(entry[1].view(-1)[slots].any()):
             self._kb, self._vb = self._kb.clone(), self._vb.clone()
+
+    def _routing(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per block, the head whose queries it meets ``(nb,)`` (free blocks: any head, their slots are masked),
+        and the ``(heads, blocks)`` ownership matrix, as bool and float32. Cached until the owners change (a
+        block taken or freed)."""
+        if self._routing_cache is None:
+            heads = torch.arange(self._nh, device=self.device)
+            owns = self._owner[None, :] == heads[:, None]
+            self._routing_cache = (self._owner.clamp_max(self._nh - 1), owns, owns.float())
+        return self._routing_cache
 
     def _head_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(nh, max_blocks * block_size)`` flat slots of each head's blocks, and whether each is one of them."""
@@ -245,6 +258,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
             self._table[torch.tensor(heads, device=dev), torch.tensor(cols, device=dev)] = ids_t
             self._owner[ids_t] = torch.tensor(heads, dtype=torch.long, device=dev)
+            self._routing_cache = None
         self._ensure_slot_width(self.seen + q_len)
         local = self._n_t[:, None] + torch.arange(q_len, device=dev)  # (nh, q)
         slots = (self._table.gather(1, local // bs) * bs + local % bs).view(-1)
@@ -370,6 +384,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
                 del self._blocks[i][keep_blocks:]
                 self._free.extend(freed)
                 self._owner[torch.tensor(freed, dtype=torch.long, device=self.device)] = self._nh
+                self._routing_cache = None
         self._n = n_new
 
     def _swap_remove(self, position: int, dst: torch.Tensor, hit: torch.Tensor) -> None:
@@ -460,8 +475,8 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         scale = scaling if scaling is not None else head_dim**-0.5
         # Fold the query heads of a group into the query axis: (B, Hq, q, d) -> (B*Hkv, G*q, d).
         q = query.reshape(nh, rows, head_dim) * scale
-        owner = self._owner  # free blocks point at the extra row nh
-        q_blocks = q.index_select(0, owner.clamp_max(nh - 1))  # (nb, G*q, d): each block's owner's queries
+        owner, owns, routing = self._routing()
+        q_blocks = q.index_select(0, owner)  # (nb, G*q, d): each block's owner's queries
         logits = torch.bmm(q_blocks, self._kb.transpose(1, 2)).float()  # (nb, G*q, bs)
 
         allowed = self._valid[:, None, :]  # (nb, 1, bs)
@@ -474,7 +489,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             if attention_mask.dtype != torch.bool:
                 attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
             am = attention_mask[:, 0, -q_len:, -self.seen :]  # (B or 1, q, seen)
-            block_row = (owner.clamp_max(nh - 1) // self._heads).clamp_max(am.shape[0] - 1)  # (nb,)
+            block_row = (owner // self._heads).clamp_max(am.shape[0] - 1)  # (nb,) batch row of each block
             seen_at = am[:, :, self._pb.view(-1)].view(am.shape[0], q_len, -1, bs)  # (B', q, nb, bs)
             seen_at = seen_at[block_row, :, torch.arange(block_row.numel(), device=self.device)]  # (nb, q, bs)
             allowed = allowed & seen_at
@@ -485,18 +500,17 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             allowed = allowed.repeat(1, groups, 1)
         logits = logits.masked_fill_(~allowed, float("-inf"))
 
-        # Softmax split over blocks, merged per head (flash-decoding style): exact, no head loop.
-        index = owner
+        # Softmax split over blocks, merged per head (flash-decoding style): exact, no loop over heads. The merges
+        # are reductions over a head's blocks, written with the (heads, blocks) routing matrix.
         block_max = logits.amax(-1)  # (nb, G*q)
-        head_max = block_max.new_full((nh + 1, rows), float("-inf"))
-        head_max.scatter_reduce_(0, index[:, None].expand_as(block_max), block_max, "amax")
-        head_max = torch.where(torch.isfinite(head_max), head_max, torch.zeros_like(head_max))
-        weights = torch.exp(logits - head_max.index_select(0, index)[:, :, None])  # (nb, G*q, bs)
-        block_sum = weights.sum(-1)
+        head_max = torch.where(owns[:, :, None], block_max[None], float("-inf")).amax(1)  # (nh, G*q)
+        head_max = torch.nan_to_num(head_max, neginf=0.0)  # (a row that sees nothing would give NaN)
+        weights = torch.exp(logits - head_max.index_select(0, owner)[:, :, None])  # (nb, G*q, bs)
+        block_sum = weights.sum(-1)  # (nb, G*q)
         block_out = torch.bmm(weights.to(self._vb.dtype), self._vb).float()  # (nb, G*q, d)
-        head_sum = block_sum.new_zeros(nh + 1, rows).index_add_(0, index, block_sum)
-        head_out = block_out.new_zeros(nh + 1, rows, block_out.shape[-1]).index_add_(0, index, block_out)
-        out = (head_out[:nh] / head_sum[:nh, :, None]).to(query.dtype)  # (B*Hkv, G*q, d)
+        head_sum = routing @ block_sum  # (nh, G*q)
+        head_out = (routing @ block_out.view(block_out.shape[0], -1)).view(nh, rows, -1)
+        out = (head_out / head_sum[:, :, None]).to(query.dtype)  # (B*Hkv, G*q, d)
         out = out.view(bsz, n_q_heads, q_len, -1)
         return out.transpose(1, 2).contiguous(), None
 
@@ -515,6 +529,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         for name in ("_pb", "_valid", "_owner", "_table", "_slot"):
             if state.get(name) is not None:
                 state[name] = state[name].clone()
+        state["_routing_cache"] = None
         state["_n"] = list(state["_n"])
         state["_blocks"] = [list(b) for b in state["_blocks"]]
         state["_free"] = list(state["_free"])
