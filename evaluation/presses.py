@@ -18,6 +18,7 @@ from kvzap.presses import (
     FastKVzipScorer,
     KeyNormScorer,
     KVzapScorer,
+    KVzipPlusScorer,
     RandomScorer,
     RecencyScorer,
     TopKPress,
@@ -68,6 +69,18 @@ def _fastkvzip(value, *, surrogate=None, sliding_window_size=128, decoding=False
     return DMSThresholdPress(scorer, float(value), sliding_window_size=sliding_window_size, decoding=decoding)
 
 
+def _kvzip_plus_topk(value, **_):
+    # The tokenizer is found when the press is applied (the model's name or directory, local files only).
+    return TopKPress(KVzipPlusScorer(), float(value))
+
+
+def _kvzip_plus_threshold(value, *, sliding_window_size=128, decoding=False, **_):
+    # decoding=True is refused by DMSThresholdPress with a clear error: the oracle scores the context only.
+    return DMSThresholdPress(
+        KVzipPlusScorer(), float(value), sliding_window_size=sliding_window_size, decoding=decoding
+    )
+
+
 def _topk(scorer_factory: Callable[[int], object]):
     def build(value, *, seed=0, **_):
         return TopKPress(scorer_factory(seed), float(value))
@@ -88,7 +101,15 @@ PRESSES: dict[str, PressFactory] = {
         PressFactory(
             "recency", "compression_ratio", _topk(lambda seed: RecencyScorer()), "keep the most recent, top-k"
         ),
-        PressFactory("kvzip_plus", "compression_ratio", None, "KVzip+ oracle scores, top-k (not available yet)"),
+        PressFactory(
+            "kvzip_plus", "compression_ratio", _kvzip_plus_topk, "KVzip+ oracle scores (exact, extra forward), top-k"
+        ),
+        PressFactory(
+            "kvzip_plus_threshold",
+            "threshold",
+            _kvzip_plus_threshold,
+            "KVzip+ oracle scores (exact, extra forward), DMS threshold with sliding window",
+        ),
         PressFactory("fastkvzip", "threshold", _fastkvzip, "Fast KVzip gates (log-gate threshold), sliding window"),
     )
 }

@@ -12,7 +12,9 @@ then takes the max over the query heads of each GQA group, and ``log(s+)`` is th
 The scores are computed by a registered attention function that runs the normal sdpa kernel for the
 layer output and, on the side, the exact softmax rows of the repeated copy (normalised over every key
 the row attends to) restricted to the columns of the original prompt, chunked over rows. Nothing else
-(no ``output_attentions``, no eager attention over the full square) is materialised.
+(no ``output_attentions``, no eager attention over the full square) is materialised. That scoring is
+:mod:`kvzap.kvzip` (shared with the KVzip+ oracle scorer of the library); this module samples positions and
+writes the resumable, data-parallel shards.
 """
 
 from __future__ import annotations
@@ -22,385 +24,46 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
+# The scoring itself lives in the library (kvzap.kvzip; the KVzip+ oracle scorer uses it too). Its names stay
+# importable from here, the private ones included (tests and benchmarks reach into them).
+from kvzap.kvzip import (
+    REPEAT_INSTRUCTION,
+    KVzipPlusOutput,
+    RepeatPrompt,
+    _kvzip_plus_log_scores,  # noqa: F401
+    _scoring_context,  # noqa: F401
+    _ScoringState,  # noqa: F401
+    build_repeat_prompt,
+    kvzip_plus_scores,
+    scoring_attention,
+)
+from kvzap.kvzip import SCORING_ATTENTION_NAME as ATTENTION_NAME
+
 logger = logging.getLogger(__name__)
-
-ATTENTION_NAME = "kvzap_kvzip_plus"
-"""Name under which the scoring attention function is registered in transformers."""
-
-REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly."
-_SENTINEL = "\u2063KVZAP_PROMPT\u2063"  # never produced by real text; marks where the prompt goes in the template
 
 __all__ = [
     "ATTENTION_NAME",
+    "REPEAT_INSTRUCTION",
     "KVzipPlusOutput",
     "RepeatPrompt",
     "build_repeat_prompt",
     "collect",
     "kvzip_plus_scores",
+    "load_collection",
     "sample_positions",
     "scoring_attention",
 ]
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The repeat prompt
+# Positions kept per prompt
 # --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RepeatPrompt:
-    """Token ids of the repeat prompt and where the two copies of the prompt sit in it.
-
-    Attributes
-    ----------
-    input_ids : torch.LongTensor
-        ``(seq_len,)`` ids of ``prefix + prompt + middle + prompt``.
-    prompt : slice
-        Positions of the original prompt (the keys that get scored).
-    repeat : slice
-        Positions of the repeated copy (the query rows the score is taken over).
-    """
-
-    input_ids: torch.Tensor
-    prompt: slice
-    repeat: slice
-
-    @property
-    def prompt_len(self) -> int:
-        return self.prompt.stop - self.prompt.start
-
-
-def _template_parts(tokenizer) -> tuple[str, str]:
-    """Split the rendered chat template into the text before the prompt and between the two copies."""
-    messages = [
-        {"role": "user", "content": _SENTINEL + REPEAT_INSTRUCTION},
-        {"role": "assistant", "content": _SENTINEL},
-    ]
-    if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
-    else:
-        # Base models without a chat template: a plain transcript with the same roles.
-        rendered = f"user: {_SENTINEL}{REPEAT_INSTRUCTION}\nassistant: {_SENTINEL}"
-    parts = rendered.split(_SENTINEL)
-    if len(parts) != 3:
-        raise ValueError(f"The chat template must place each message's content exactly once; got {len(parts)} parts.")
-    # parts[2] (end-of-turn tokens after the copy) is dropped: causal attention means it cannot change the scores.
-    return parts[0], parts[1]
-
-
-def build_repeat_prompt(tokenizer, prompt_ids: Sequence[int] | torch.Tensor) -> RepeatPrompt:
-    """Wrap prompt token ids in the repeat chat, keeping both copies token-identical.
-
-    The template text around the prompt is tokenized on its own and concatenated with the prompt ids, so the
-    spans are known exactly (no search for a sub-sequence) and the repeated copy is the same token sequence.
-
-    Parameters
-    ----------
-    tokenizer : transformers.PreTrainedTokenizerBase
-        Tokenizer of the model; its chat template is used when it has one.
-    prompt_ids : sequence of int or torch.Tensor
-        ``(prompt_len,)`` token ids of the prompt, without special tokens.
-
-    Returns
-    -------
-    RepeatPrompt
-    """
-    prompt_ids = torch.as_tensor(list(prompt_ids) if not torch.is_tensor(prompt_ids) else prompt_ids, dtype=torch.long)
-    if prompt_ids.ndim != 1 or prompt_ids.numel() == 0:
-        raise ValueError(
-            f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape {tuple(prompt_ids.shape)}."
-        )
-    prefix_text, middle_text = _template_parts(tokenizer)
-    prefix = torch.tensor(tokenizer(prefix_text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    middle = torch.tensor(tokenizer(middle_text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    # Models that expect a BOS token and whose template does not write one get it here.
-    if bos is not None and getattr(tokenizer, "add_bos_token", False) and (prefix.numel() == 0 or prefix[0] != bos):
-        prefix = torch.cat([torch.tensor([bos]), prefix])
-    p0 = prefix.numel()
-    p1 = p0 + prompt_ids.numel()
-    r0 = p1 + middle.numel()
-    input_ids = torch.cat([prefix, prompt_ids, middle, prompt_ids])  # (seq_len,)
-    return RepeatPrompt(input_ids=input_ids, prompt=slice(p0, p1), repeat=slice(r0, input_ids.numel()))
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The scoring attention function
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _ScoringState:
-    """What the hooks and the attention function share during one forward pass."""
-
-    prompt: slice
-    repeat: slice
-    chunk_size: int
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (1, seq_len, D) attention input
-    scores: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (kv_heads, prompt_len) log s+
-    # Also the plain KVzip score (max attention weight, the target of Fast KVzip gates) when asked for.
-    with_kvzip: bool = False
-    kvzip: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (kv_heads, prompt_len) log a
-
-
-_ACTIVE_STATE: _ScoringState | None = None
-
-
-def _kvzip_plus_log_scores(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    hidden: torch.Tensor,
-    scaling: float,
-    state: _ScoringState,
-) -> torch.Tensor:
-    """KVzip+ log-scores of the original prompt's KV pairs for one layer.
-
-    Parameters
-    ----------
-    module : nn.Module
-        The attention module (its ``o_proj`` gives W_O).
-    query : torch.Tensor
-        ``(1, q_heads, seq_len, head_dim)``.
-    key, value : torch.Tensor
-        ``(1, kv_heads, seq_len, head_dim)``.
-    attention_mask : torch.Tensor or None
-        The mask transformers built (``None`` means plain causal), ``(1, 1 or q_heads, seq_len, seq_len)``.
-    hidden : torch.Tensor
-        ``(1, seq_len, D)`` input of the attention layer (after the input layernorm).
-    scaling : float
-        Softmax scale of the logits.
-    state : _ScoringState
-        Spans and chunk size.
-
-    Returns
-    -------
-    torch.Tensor
-        ``(kv_heads, prompt_len)`` float32 log s+.
-    """
-    _, q_heads, seq_len, head_dim = query.shape
-    kv_heads = key.shape[1]
-    groups = q_heads // kv_heads
-    p0, p1 = state.prompt.start, state.prompt.stop
-    r0, r1 = state.repeat.start, state.repeat.stop
-    # Keys after the last repeated row are never attended (causal), so no chunk needs keys beyond r1.
-    keys_t = key[0, :, :r1].float().transpose(-1, -2)  # (kv_heads, head_dim, r1)
-    inv_hidden_norm = hidden[0, r0:r1].float().norm(dim=-1).clamp_min(1e-12).reciprocal()  # (repeat_len,)
-
-    best = torch.full((kv_heads, groups, p1 - p0), -math.inf, device=query.device)  # max_j a_ji / ||h_j||
-    best_plain = torch.full_like(best, -math.inf) if state.with_kvzip else None  # max_j a_ji
-    for c0 in range(r0, r1, state.chunk_size):
-        c1 = min(c0 + state.chunk_size, r1)
-        rows = c1 - c0
-        # Scale the queries rather than the logits: rows * head_dim multiplications instead of rows * keys.
-        q = query[0, :, c0:c1].float() * scaling  # (q_heads, rows, head_dim)
-        q = q.reshape(kv_heads, groups * rows, head_dim)  # (kv_heads, G * rows, head_dim), GQA group-major
-        # Keys at or after c1 are in every row's future: the chunk only needs keys [0, c1).
-        logits = torch.bmm(q, keys_t[:, :, :c1]).view(kv_heads, groups, rows, c1)  # (kv_heads, G, rows, c1)
-        if attention_mask is None:
-            # Only the block of keys [c0, c1) holds future positions for these rows (upper triangle).
-            future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu_(1)  # (rows, rows)
-            logits[..., c0:c1].masked_fill_(future, -math.inf)
-        else:
-            mask = attention_mask[0, :, c0:c1, :c1]  # (1 or q_heads, rows, c1)
-            mask = mask.reshape(-1, 1, rows, c1) if mask.shape[0] == 1 else mask.reshape(kv_heads, groups, rows, c1)
-            if mask.dtype == torch.bool:
-                logits.masked_fill_(~mask, -math.inf)
-            else:
-                logits += mask.float()
-        # Exact softmax over every key of the row, in place: the normaliser needs all keys, the score only the
-        # prompt columns, so the exponentials are computed once and reused.
-        logits -= logits.amax(dim=-1, keepdim=True)
-        logits.exp_()
-        normaliser = logits.sum(dim=-1, keepdim=True)  # (kv, G, rows, 1)
-        weight = inv_hidden_norm[c0 - r0 : c1 - r0, None] / normaliser
-        attn = logits[..., p0:p1] * weight  # (kv_heads, G, rows, prompt_len): a_ji / ||h_j||
-        best = torch.maximum(best, attn.amax(dim=2))
-        if best_plain is not None:
-            best_plain = torch.maximum(best_plain, (logits[..., p0:p1] / normaliser).amax(dim=2))
-
-    # ||W_O^h v_i||: the slice of o_proj that reads head h, applied to the value of pair i.
-    # ||W v||^2 = v^T (W^T W) v, with a head_dim x head_dim Gram matrix per head instead of a D-wide product.
-    o_weight = module.o_proj.weight.float()  # (D, q_heads * head_dim)
-    o_weight = o_weight.view(o_weight.shape[0], q_heads, head_dim).transpose(0, 1)  # (q_heads, D, head_dim)
-    gram = (o_weight.transpose(1, 2) @ o_weight).view(kv_heads, groups, head_dim, head_dim)  # (kv, G, hd, hd)
-    values = value[0, :, p0:p1].float()  # (kv_heads, prompt_len, head_dim)
-    squared = torch.einsum("kpd,kgde,kpe->kgp", values, gram, values)  # (kv_heads, G, prompt_len)
-    value_norm = squared.clamp_min(0).sqrt()
-
-    scores = (best * value_norm).amax(dim=1)  # (kv_heads, prompt_len), max over the GQA group
-    if best_plain is not None:
-        tiny = torch.finfo(torch.float32).tiny
-        state.kvzip[module.layer_idx] = best_plain.amax(dim=1).clamp_min(tiny).log()  # (kv_heads, prompt_len)
-    return scores.clamp_min(torch.finfo(torch.float32).tiny).log()
-
-
-def scoring_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Attention function registered as ``"kvzap_kvzip_plus"``: sdpa output plus KVzip+ scores on the side.
-
-    Follows the transformers attention-interface signature; the scores are stored in the active collection
-    state (set by :func:`_scoring_context`), keyed by ``module.layer_idx``.
-    """
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    output = ALL_ATTENTION_FUNCTIONS["sdpa"](
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-    )
-    state = _ACTIVE_STATE
-    if state is None:
-        return output
-    if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
-        raise ValueError(
-            "KVzip+ scoring needs one sequence in a single forward pass without a cache "
-            f"(got query {tuple(query.shape)}, key {tuple(key.shape)})."
-        )
-    layer_idx = module.layer_idx
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    with torch.no_grad():
-        state.scores[layer_idx] = _kvzip_plus_log_scores(
-            module, query, key, value, attention_mask, state.hidden[layer_idx], scale, state
-        )
-    return output
-
-
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    """Self-attention modules of the decoder layers, in layer order."""
-    modules = [m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
-    if not modules:
-        raise ValueError(
-            f"{type(model).__name__} has no attention modules with `o_proj` and `layer_idx`; "
-            "KVzip+ collection supports Llama-style decoders (Llama, Qwen2/3, Mistral, ...)."
-        )
-    return sorted(modules, key=lambda m: m.layer_idx)
-
-
-@contextmanager
-def _scoring_context(model: nn.Module, state: _ScoringState) -> Iterator[None]:
-    """Register the scoring attention and the hidden-state hooks; restore the model on exit, even on error."""
-    global _ACTIVE_STATE
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTENTION_NAME, scoring_attention)
-    # Without a registered mask function a custom attention name receives attention_mask=None.
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-
-    def capture_hidden(module, args, kwargs):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        state.hidden[module.layer_idx] = hidden.detach()
-
-    original = model.config._attn_implementation
-    handles = [m.register_forward_pre_hook(capture_hidden, with_kwargs=True) for m in _attention_modules(model)]
-    previous_state, _ACTIVE_STATE = _ACTIVE_STATE, state
-    try:
-        model.set_attn_implementation(ATTENTION_NAME)
-        yield
-    finally:
-        _ACTIVE_STATE = previous_state
-        for handle in handles:
-            handle.remove()
-        model.set_attn_implementation(original)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Public scoring entry point
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class KVzipPlusOutput:
-    """Result of :func:`kvzip_plus_scores`.
-
-    Attributes
-    ----------
-    log_scores : torch.Tensor
-        ``(n_layers, kv_heads, prompt_len)`` float32 log s+ of every KV pair of the original prompt.
-    hidden_states : torch.Tensor or None
-        ``(n_layers, prompt_len, D)`` inputs of the attention layers at the prompt positions (the surrogate's
-        features), when requested.
-    log_kvzip : torch.Tensor or None
-        ``(n_layers, kv_heads, prompt_len)`` log of the plain KVzip score (max attention weight over the
-        repeated rows and the GQA group), the distillation target of Fast KVzip gates, when requested.
-    repeat_prompt : RepeatPrompt
-        The sequence that was run.
-    """
-
-    log_scores: torch.Tensor
-    hidden_states: torch.Tensor | None
-    repeat_prompt: RepeatPrompt
-    log_kvzip: torch.Tensor | None = None
-
-
-@torch.no_grad()
-def kvzip_plus_scores(
-    model: nn.Module,
-    tokenizer,
-    prompt_ids: Sequence[int] | torch.Tensor | RepeatPrompt,
-    *,
-    return_hidden_states: bool = False,
-    chunk_size: int = 64,
-    return_kvzip: bool = False,
-) -> KVzipPlusOutput:
-    """KVzip+ log-scores of every KV pair of a prompt, from one forward pass of the repeat prompt.
-
-    Parameters
-    ----------
-    model : transformers.PreTrainedModel
-        A Llama-style causal LM (attention modules with ``o_proj``).
-    tokenizer : transformers.PreTrainedTokenizerBase
-        Its tokenizer (for the chat template); unused when ``prompt_ids`` is already a :class:`RepeatPrompt`.
-    prompt_ids : sequence of int, torch.Tensor or RepeatPrompt
-        ``(prompt_len,)`` token ids of the prompt, or a prebuilt repeat prompt.
-    return_hidden_states : bool, default False
-        Also return the attention inputs at the prompt positions.
-    chunk_size : int, default 64
-        Query rows scored at once; bounds the extra memory to ``q_heads * chunk_size * seq_len`` floats.
-    return_kvzip : bool, default False
-        Also return the plain KVzip log-scores (the target of Fast KVzip gates).
-
-    Returns
-    -------
-    KVzipPlusOutput
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}.")
-    repeat_prompt = prompt_ids if isinstance(prompt_ids, RepeatPrompt) else build_repeat_prompt(tokenizer, prompt_ids)
-    state = _ScoringState(
-        prompt=repeat_prompt.prompt, repeat=repeat_prompt.repeat, chunk_size=chunk_size, with_kvzip=return_kvzip
-    )
-    device = next(model.parameters()).device
-    with _scoring_context(model, state):
-        # logits_to_keep=1: the vocabulary projection of every position is wasted work here.
-        model(input_ids=repeat_prompt.input_ids[None].to(device), use_cache=False, logits_to_keep=1)
-    layers = sorted(state.scores)
-    log_scores = torch.stack([state.scores[i] for i in layers])  # (n_layers, kv_heads, prompt_len)
-    hidden = None
-    if return_hidden_states:
-        p = repeat_prompt.prompt
-        hidden = torch.stack([state.hidden[i][0, p].float() for i in layers])  # (n_layers, prompt_len, D)
-    log_kvzip = torch.stack([state.kvzip[i] for i in layers]) if return_kvzip else None
-    return KVzipPlusOutput(
-        log_scores=log_scores, hidden_states=hidden, repeat_prompt=repeat_prompt, log_kvzip=log_kvzip
-    )
 
 
 def sample_positions(prompt_len: int, n_tokens: int, seed: int) -> torch.Tensor:

@@ -4,6 +4,7 @@ from kvzap.presses.base import BasePress, Scorer
 from kvzap.presses.baseline_scorers import ConstantScorer, KeyNormScorer, RandomScorer, RecencyScorer
 from kvzap.presses.fastkvzip_scorer import FastKVzipScorer
 from kvzap.presses.kvzap_scorer import KVzapScorer
+from kvzap.presses.kvzip_plus_scorer import KVzipPlusScorer
 from kvzap.presses.surrogate_scorer import SurrogateScorer
 from kvzap.presses.threshold import DMSThresholdPress
 from kvzap.presses.topk import TopKPress
@@ -13,6 +14,7 @@ __all__ = [
     "Scorer",
     "KVzapScorer",
     "FastKVzipScorer",
+    "KVzipPlusScorer",
     "SurrogateScorer",
     "RandomScorer",
     "KeyNormScorer",

@@ -2,13 +2,16 @@
 
 A press is applied with ``with press(model): ...``. Entering validates everything (model, press parameters,
 scorer weights) before touching the model, then switches the model to kvzap's attention function and registers
-one forward pre-hook and one forward hook per attention layer. Exiting removes them and restores the attention
-implementation, even when the body raises, so the model is left exactly as it was found.
+one forward pre-hook and one forward hook per attention layer, and pre-hooks on the decoder stack (padded batches
+are refused there; scorers that read the prefill's token ids get them there). Exiting removes them, restores the
+attention implementation and lets the scorers drop their per-sequence state, even when the body raises, so the
+model is left exactly as it was found.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -43,9 +46,38 @@ class Scorer(ABC):
 
     #: False for scorers that need the whole context at once (oracles): they cannot score decoded tokens.
     supports_decoding: ClassVar[bool] = True
+    #: True for scorers that read the token ids of each sequence's prefill (oracles that rerun the context): the
+    #: press then calls :meth:`begin_prefill` before the model runs the first forward of every sequence.
+    reads_prefill_inputs: ClassVar[bool] = False
 
     def setup(self, model: PreTrainedModel) -> None:
         """Prepare for ``model`` (load and place weights once). Default: nothing to do."""
+
+    def begin_prefill(
+        self,
+        model: PreTrainedModel,
+        input_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        chunked: bool,
+    ) -> None:
+        """See the inputs of a sequence's first forward before the model runs it (if :attr:`reads_prefill_inputs`).
+
+        Called from a forward pre-hook of the decoder stack when the forward starts a sequence (its cache is
+        empty, or the decoder will create one). Nothing of the sequence is in the cache yet, so an error raised
+        here leaves no state behind. A forward this method runs itself on ``model`` (an oracle's extra forward,
+        with ``use_cache=False``) is neither pruned nor recorded by the press, and does not call this again.
+
+        Parameters
+        ----------
+        model : the model the press is applied to.
+        input_ids : ``(B, n)`` token ids of the forward, or None when it was given ``inputs_embeds``.
+        inputs_embeds : ``(B, n, D)`` input embeddings, or None.
+        chunked : True when the forward runs inside :meth:`BasePress.prefilling` (a chunked prefill: later
+            chunks continue the sequence without calling this again).
+        """
+
+    def release(self) -> None:
+        """Drop per-sequence state; called when a press using this scorer is removed. Default: nothing."""
 
     @abstractmethod
     def score(
@@ -112,6 +144,15 @@ class BasePress(ABC):
 
     def setup(self, model: PreTrainedModel) -> None:
         """Prepare for ``model`` before any hook is registered (e.g. load scorer weights)."""
+
+    def scorers(self) -> tuple[Scorer, ...]:
+        """The scorers this press uses: its ``scorer`` attribute when it has one (override to list others).
+
+        The press calls their :meth:`Scorer.begin_prefill` (for those that read prefill inputs) and
+        :meth:`Scorer.release`.
+        """
+        scorer = getattr(self, "scorer", None)
+        return (scorer,) if isinstance(scorer, Scorer) else ()
 
     @abstractmethod
     def process_layer(self, module: nn.Module, layer: PrunableLayer, hidden_states: torch.Tensor, prefill: bool):
@@ -210,6 +251,23 @@ class BasePress(ABC):
                 "run sequences of equal length together, or one at a time."
             )
 
+    def _prefill_inputs_hook(
+        self, model: PreTrainedModel, scorers: tuple[Scorer, ...], decoder: nn.Module, args: tuple, kwargs: dict
+    ) -> None:
+        """Hand the token ids of a sequence's first forward to the scorers that read them."""
+        cache = _compat.cache_from_kwargs(kwargs)
+        if cache is None:
+            use_cache = kwargs.get("use_cache")
+            if not (decoder.config.use_cache if use_cache is None else use_cache):
+                return None  # no cache: nothing will be pruned (this is also an oracle's own forward)
+        elif cache.get_seq_length() > 0:
+            return None  # continues a sequence (decoding, a question, a later prefill chunk)
+        # The decoder's own argument names (stable across transformers 5.x): ids first, or embeddings.
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        for scorer in scorers:
+            scorer.begin_prefill(model, input_ids, kwargs.get("inputs_embeds"), chunked=self._prefilling)
+        return None
+
     @contextlib.contextmanager
     def __call__(self, model: PreTrainedModel) -> Iterator[PreTrainedModel]:
         """Apply the press to ``model`` for the duration of the ``with`` block."""
@@ -222,11 +280,18 @@ class BasePress(ABC):
         modules = _compat.attention_modules(model)
         ensure_registered()
 
+        scorers = self.scorers()
+        readers = tuple(s for s in scorers if s.reads_prefill_inputs)
+
         original_attn = model.config._attn_implementation
         handles = []
         try:
             model.set_attn_implementation(ATTENTION_NAME)
-            handles.append(_compat.decoder_model(model).register_forward_pre_hook(self._padding_hook, with_kwargs=True))
+            decoder = _compat.decoder_model(model)
+            handles.append(decoder.register_forward_pre_hook(self._padding_hook, with_kwargs=True))
+            if readers:  # after the padding check: a padded batch is refused before any oracle forward
+                hook = functools.partial(self._prefill_inputs_hook, model, readers)
+                handles.append(decoder.register_forward_pre_hook(hook, with_kwargs=True))
             for module in modules:
                 handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
                 handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
@@ -238,6 +303,8 @@ class BasePress(ABC):
             self._calls.clear()
             if model.config._attn_implementation != original_attn:
                 model.set_attn_implementation(original_attn)
+            for scorer in scorers:
+                scorer.release()
 
 
 def _check_cache_layers(layers: list) -> None:
