@@ -1,10 +1,20 @@
-"""Offline accuracy-vs-compression evaluation of kvzap presses on RULER-style tasks.
+"""Accuracy-vs-compression evaluation of kvzap presses on long-context benchmarks.
 
-``python -m evaluation --press no_press kvzap_mlp --threshold -5 -4 --lengths 4096`` runs a sweep;
-``python -m evaluation plot --results-dir outputs/evaluation`` plots it. See ``evaluation/README.md``.
+``python -m evaluation --press no_press kvzap_mlp --threshold -5 -4 --lengths 4096`` runs a sweep on the offline
+RULER-style suite; ``--dataset ruler|longbench|aime25`` runs a standard benchmark (from the Hub, or from local
+files with ``--dataset-path``); ``python -m evaluation plot --results-dir outputs/evaluation`` plots it.
+See ``evaluation/README.md``.
 """
 
-from evaluation.metrics import sample_score, string_match_all, string_match_part
+from evaluation.benchmarks import BENCHMARKS, DEFAULT_DATASET, Benchmark, LoadRequest
+from evaluation.metrics import (
+    best_over_references,
+    boxed_match,
+    last_boxed,
+    sample_score,
+    string_match_all,
+    string_match_part,
+)
 from evaluation.presses import PRESSES, PressNotAvailableError, make_press
 from evaluation.ruler import DEFAULT_TASKS, TASKS, generate_samples, generate_task
 from evaluation.runner import EvalConfig, load_config, main, run_evaluation
@@ -17,6 +27,13 @@ __all__ = [
     "string_match_all",
     "string_match_part",
     "sample_score",
+    "best_over_references",
+    "last_boxed",
+    "boxed_match",
+    "BENCHMARKS",
+    "DEFAULT_DATASET",
+    "Benchmark",
+    "LoadRequest",
     "PRESSES",
     "PressNotAvailableError",
     "make_press",

@@ -1,8 +1,9 @@
 """Accuracy-vs-compression plot and markdown table from a directory of finished runs.
 
 Reads every ``metrics.json`` below a results directory (as written by :mod:`evaluation.runner`) and writes
-``accuracy_vs_compression.png`` (one panel per model and length, one line per press, the full cache as a dashed
-line) and ``summary.md`` (one row per run, one column per task).
+``accuracy_vs_compression.png`` (one panel per model, dataset and length, one line per press, the full cache as a
+dashed line) and ``summary.md`` (one row per run, one column per task). Datasets without a target length
+(LongBench, AIME25) have ``length`` None.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def collect_results(results_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
     Returns
     -------
-    list of dict (the metrics, with ``run_dir`` added), sorted by model, length, press and compression ratio.
+    list of dict (the metrics, with ``run_dir`` added), sorted by model, dataset, length, press and compression
+    ratio.
     """
     root = Path(results_dir)
     if not root.is_dir():
@@ -34,8 +36,23 @@ def collect_results(results_dir: str | os.PathLike) -> list[dict[str, Any]]:
     for path in sorted(root.rglob("metrics.json")):
         metrics = json.loads(path.read_text(encoding="utf-8"))
         results.append({**metrics, "run_dir": str(path.parent)})
-    results.sort(key=lambda r: (r.get("model", ""), r["length"], r["press"], r["compression_ratio"]))
+    results.sort(key=lambda r: (*_panel(r), r["press"], r["compression_ratio"]))
     return results
+
+
+def _panel(result: dict[str, Any]) -> tuple[str, str, int]:
+    """The panel a run belongs to: model, dataset, length (-1 for datasets without one, sorted first)."""
+    length = result.get("length")
+    return (
+        str(result.get("model", "")),
+        str(result.get("dataset", "ruler_offline")),
+        -1 if length is None else int(length),
+    )
+
+
+def _panel_title(key: tuple[str, str, int]) -> str:
+    model, dataset, length = key
+    return f"{model}, {dataset}" + (f", {length} tokens" if length >= 0 else "")
 
 
 def _value_label(result: dict[str, Any]) -> str:
@@ -48,12 +65,13 @@ def _value_label(result: dict[str, Any]) -> str:
 def summary_table(results: list[dict[str, Any]]) -> str:
     """A markdown table: model, length, press, parameter, compression ratio, mean score and one column per task."""
     tasks = sorted({task for r in results for task in r["tasks"]})
-    header = ["model", "length", "press", "parameter", "compression", "score", *tasks]
+    header = ["model", "dataset", "length", "press", "parameter", "compression", "score", *tasks]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         cells = [
             str(r.get("model", "")),
-            str(r["length"]),
+            str(r.get("dataset", "ruler_offline")),
+            "-" if r.get("length") is None else str(r["length"]),
             r["press"],
             _value_label(r),
             f"{r['compression_ratio']:.3f}",
@@ -77,9 +95,9 @@ def plot_results(results: list[dict[str, Any]], path: str | os.PathLike) -> Path
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    panels: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    panels: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
     for r in results:
-        panels[(str(r.get("model", "")), int(r["length"]))].append(r)
+        panels[_panel(r)].append(r)
     keys = sorted(panels)
     fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(5 * max(len(keys), 1), 4), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
@@ -92,9 +110,9 @@ def plot_results(results: list[dict[str, Any]], path: str | os.PathLike) -> Path
                 ax.axhline(runs[0]["score"], color="black", linestyle="--", linewidth=1, label="full cache")
                 continue
             ax.plot([r["compression_ratio"] for r in runs], [r["score"] for r in runs], marker="o", label=press)
-        ax.set_title(f"{key[0]}, {key[1]} tokens")
+        ax.set_title(_panel_title(key))
         ax.set_xlabel("compression ratio (share of KV pairs evicted)")
-        ax.set_ylabel("RULER score (%)")
+        ax.set_ylabel("score (%)")
         ax.set_xlim(-0.02, 1.0)
         scores = [r["score"] for r in panels[key]]
         ax.set_ylim(max(0.0, min(scores) - 5), min(100.0, max(scores) + 5) + 1)  # keep close results readable

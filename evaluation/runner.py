@@ -1,8 +1,10 @@
-"""Run presses over RULER-style tasks and write predictions, metrics and the resolved config per run.
+"""Run presses over a benchmark and write predictions, metrics and the resolved config per run.
 
-A *run* is one (press, threshold or compression ratio, target length). Its directory, named from those values and
-a short hash of everything else that changes the results, holds ``predictions.csv``, ``metrics.json`` and
-``config.json``; a run whose ``metrics.json`` exists is skipped, so an interrupted sweep resumes where it stopped.
+A *run* is one (dataset, press, threshold or compression ratio, target length for the datasets that have one).
+Its directory, named from those values and a short hash of everything else that changes the results, holds
+``predictions.csv``, ``metrics.json`` and ``config.json``; a run whose ``metrics.json`` exists is skipped, so an
+interrupted sweep resumes where it stopped. The datasets (the offline RULER-style generator, RULER and LongBench
+from the Hub or local files, AIME 2025) are described in :mod:`evaluation.benchmarks`.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import argparse
 import csv
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import logging
 import os
 import re
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +26,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from evaluation import ruler
-from evaluation.metrics import METRICS
+from evaluation import aime, longbench, ruler
+from evaluation.benchmarks import BENCHMARKS, DEFAULT_DATASET, Benchmark, LoadRequest, check_local_path
 from evaluation.presses import PRESSES, make_press
 
 logger = logging.getLogger(__name__)
@@ -31,39 +35,65 @@ logger = logging.getLogger(__name__)
 __all__ = ["EvalConfig", "RunSpec", "load_config", "plan_runs", "run_evaluation", "build_parser", "main"]
 
 
+#: Samples per task and length of the offline generator when ``n_samples`` is not set.
+DEFAULT_N_SAMPLES = 10
+#: Target length of the datasets made per length when ``lengths`` is not set.
+DEFAULT_LENGTH = 4096
+
+
 @dataclass
 class EvalConfig:
     """Everything a sweep depends on; defaults, then a YAML file, then command-line flags.
 
+    Settings left at None take the dataset's own value (its default tasks, lengths, budgets, sampling).
+
     Parameters
     ----------
     model : Hub id or local directory; None (or "default") loads kvzap's default model.
+    dataset : a key of :data:`evaluation.benchmarks.BENCHMARKS`: ``ruler_offline`` (default), ``ruler``,
+        ``longbench`` or ``aime25``.
+    dataset_path : local file or directory in the dataset's Hub format, read instead of the Hub (not for
+        ``ruler_offline``); see :mod:`evaluation.benchmarks`.
     presses : names from :data:`evaluation.presses.PRESSES`.
     thresholds : swept for threshold presses (KVzap); higher = more compression.
     compression_ratios : swept for top-k presses (random, key norm, recency).
-    tasks : names from :data:`evaluation.ruler.TASKS`.
-    lengths : target prompt lengths in tokens.
-    n_samples : samples per task and length.
-    max_context_length : contexts are truncated beyond this many tokens (None: no limit).
+    tasks : task names of the dataset (None: its default tasks).
+    lengths : target prompt lengths in tokens (``ruler_offline``) or RULER configurations (``ruler``);
+        None: 4096. Not for the datasets without lengths.
+    n_samples : samples per task and length of ``ruler_offline`` (None: 10).
+    fraction : share of each task's samples kept, chosen from the seed, for the Hub datasets (1: all).
+    max_context_length : contexts are truncated beyond this many tokens (LongBench: in the middle, as LongBench
+        does; the others keep the beginning). None: no limit.
     max_new_tokens : overrides every task's generation budget when set.
+    prefill_chunk_size : prefill each context in chunks of this many tokens, each pruned after its forward (the
+        pipeline's ``prefill_chunk_size``); None: one dense prefill, the paper's setting. Not for ``aime25``.
+    temperature, top_p, top_k, min_p : sampling of ``aime25`` (None: 0.6, 0.95, 20, 0).
     output_dir : where run directories are written.
-    seed : generator seed (samples and random scorer).
+    seed : seed of the generator, of the fraction of samples kept, of sampling and of the random scorer.
     surrogate : KVzap surrogate directory or Hub id (None: bundled, else the published checkpoint).
-    sliding_window_size, decoding : DMS options of the KVzap presses.
-    haystack_file : text file for the real-text haystack (None: the Python reference, see evaluation.ruler).
+    sliding_window_size, decoding : DMS options of the KVzap presses (``aime25`` always prunes while decoding).
+    haystack_file : text file for the real-text haystack of ``ruler_offline`` (None: the Python reference).
     device : device to run on (None: the model's, or CPU for a loaded model).
     dtype : ``"float32"``, ``"bfloat16"`` or ``"float16"`` for a model loaded by the runner.
     """
 
     model: str | None = None
+    dataset: str = DEFAULT_DATASET
+    dataset_path: str | None = None
     presses: list[str] = field(default_factory=lambda: ["no_press", "kvzap_mlp"])
     thresholds: list[float] = field(default_factory=lambda: [-6.0, -5.0, -4.0, -3.0])
     compression_ratios: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75])
-    tasks: list[str] = field(default_factory=lambda: list(ruler.DEFAULT_TASKS))
-    lengths: list[int] = field(default_factory=lambda: [4096])
-    n_samples: int = 10
+    tasks: list[str] | None = None
+    lengths: list[int] | None = None
+    n_samples: int | None = None
+    fraction: float = 1.0
     max_context_length: int | None = None
     max_new_tokens: int | None = None
+    prefill_chunk_size: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     output_dir: str = "outputs/evaluation"
     seed: int = 0
     surrogate: str | None = None
@@ -73,30 +103,124 @@ class EvalConfig:
     device: str | None = None
     dtype: str = "float32"
 
+    # --- resolved values -----------------------------------------------------------------------------------------
+    @property
+    def benchmark(self) -> Benchmark:
+        """The dataset's registry entry."""
+        if self.dataset not in BENCHMARKS:
+            raise ValueError(f"Unknown dataset {self.dataset!r}; choose from {', '.join(BENCHMARKS)}.")
+        return BENCHMARKS[self.dataset]
+
+    @property
+    def task_list(self) -> tuple[str, ...]:
+        """The tasks run: ``tasks``, or the dataset's default tasks."""
+        return tuple(self.tasks) if self.tasks is not None else self.benchmark.default_tasks
+
+    @property
+    def length_list(self) -> list[int | None]:
+        """One entry per run length: ``lengths`` (default 4096), or ``[None]`` for datasets without lengths."""
+        if not self.benchmark.uses_lengths:
+            return [None]
+        return list(self.lengths) if self.lengths is not None else [DEFAULT_LENGTH]
+
+    @property
+    def samples_per_task(self) -> int:
+        """Samples per task and length of the offline generator."""
+        return self.n_samples if self.n_samples is not None else DEFAULT_N_SAMPLES
+
+    @property
+    def sampling(self) -> aime.SamplingSettings | None:
+        """Sampling settings of a sampled dataset (defaults filled in), None for greedy datasets."""
+        if not self.benchmark.sampled:
+            return None
+        given = {k: getattr(self, k) for k in _SAMPLING if getattr(self, k) is not None}
+        return aime.SamplingSettings(**given)
+
+    def decoding_for(self, knob: str | None) -> bool | None:
+        """Whether a threshold press prunes while decoding (always for sampled datasets); None for other presses."""
+        if knob != "threshold":
+            return None
+        return True if self.benchmark.sampled else self.decoding
+
     def validate(self) -> None:
-        """Raise ``ValueError`` with a sentence for any bad value, before anything runs."""
+        """Raise ``ValueError`` with a sentence for any bad value, before anything loads or runs."""
+        benchmark = self.benchmark  # unknown dataset names fail here
+        offline = benchmark.hub_id is None
         for name in self.presses:
             if name not in PRESSES:
                 raise ValueError(f"Unknown press {name!r}; choose from {', '.join(PRESSES)}.")
-        for task in self.tasks:
-            if task not in ruler.TASKS:
-                raise ValueError(f"Unknown task {task!r}; choose from {', '.join(ruler.TASKS)}.")
-        if not self.presses or not self.tasks or not self.lengths:
-            raise ValueError("presses, tasks and lengths must each name at least one value.")
+        for task in self.tasks or ():
+            if task not in benchmark.tasks:
+                raise ValueError(
+                    f"Unknown task {task!r} for the dataset {self.dataset!r}; choose from {', '.join(benchmark.tasks)}."
+                )
+        if not self.presses or (self.tasks is not None and not self.tasks):
+            raise ValueError("presses and tasks must each name at least one value.")
+        if len(set(self.task_list)) != len(self.task_list):
+            raise ValueError(f"A task is named twice in {', '.join(self.task_list)}.")
         for ratio in self.compression_ratios:
             if not 0 <= ratio < 1:
                 raise ValueError(f"Compression ratios must be in [0, 1), got {ratio}.")
-        for length in self.lengths:
-            if int(length) != length or length < 1:
-                raise ValueError(f"Lengths must be positive integers, got {length}.")
-        if self.n_samples < 1:
-            raise ValueError(f"n_samples must be at least 1, got {self.n_samples}.")
+        if benchmark.uses_lengths:
+            if self.lengths is not None and not self.lengths:
+                raise ValueError("lengths must name at least one value.")
+            for length in self.lengths or ():
+                if int(length) != length or length < 1:
+                    raise ValueError(f"Lengths must be positive integers, got {length}.")
+        elif self.lengths is not None:
+            raise ValueError(
+                f"The dataset {self.dataset!r} has no target lengths (its samples have their own): drop lengths"
+                + ("; max_context_length truncates long contexts." if not benchmark.sampled else ".")
+            )
+        if self.n_samples is not None:
+            if not offline:
+                raise ValueError(
+                    f"n_samples sets how many samples ruler_offline generates; for {self.dataset!r} use fraction."
+                )
+            if self.n_samples < 1:
+                raise ValueError(f"n_samples must be at least 1, got {self.n_samples}.")
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}.")
+        if offline and self.fraction != 1:
+            raise ValueError("fraction applies to the Hub datasets; ruler_offline takes n_samples.")
+        if self.haystack_file is not None and not offline:
+            raise ValueError(f"haystack_file is a setting of ruler_offline, not of {self.dataset!r}.")
+        if self.dataset_path is not None:
+            if offline:
+                raise ValueError("ruler_offline is generated, not read: dataset_path does not apply.")
+            if not Path(self.dataset_path).exists():
+                raise ValueError(f"dataset_path {self.dataset_path} does not exist.")
+            check_local_path(benchmark, self.dataset_path, self.task_list, self.length_list)
+        given_sampling = [k for k in _SAMPLING if getattr(self, k) is not None]
+        if given_sampling and not benchmark.sampled:
+            raise ValueError(
+                f"{', '.join(given_sampling)} set the sampling of aime25; {self.dataset!r} is decoded greedily."
+            )
+        if benchmark.sampled:
+            self.sampling.validate()
+            if self.prefill_chunk_size is not None:
+                raise ValueError(
+                    f"{self.dataset!r} is answered with model.generate, which prefills in one forward: "
+                    "prefill_chunk_size does not apply."
+                )
+            if self.max_context_length is not None:
+                raise ValueError(
+                    f"The prompts of {self.dataset!r} are short problems: max_context_length does not apply."
+                )
+        needs_jieba = [t for t in self.task_list if self.dataset == "longbench" and t in longbench.JIEBA_TASKS]
+        if needs_jieba and importlib.util.find_spec("jieba") is None:
+            raise ValueError(
+                f"The LongBench task(s) {', '.join(needs_jieba)} segment words with jieba: pip install jieba."
+            )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}.")
-        for name in ("max_context_length", "max_new_tokens"):
+        for name in ("max_context_length", "max_new_tokens", "prefill_chunk_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}.")
+
+
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p")
 
 
 def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> EvalConfig:
@@ -128,42 +252,46 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Eval
         if isinstance(values.get(name), str):
             values[name] = [v for v in values[name].split(",") if v]
     for name in ("thresholds", "compression_ratios", "lengths"):
-        if name in values and not isinstance(values[name], (list, tuple)):
+        if values.get(name) is not None and not isinstance(values[name], (list, tuple)):
             values[name] = [values[name]]
     if str(values.get("model")).lower() in ("none", "default"):
         values["model"] = None  # spelled out in YAML or on the command line: kvzap's default model
     config = EvalConfig(**values)
     config.thresholds = [float(v) for v in config.thresholds]
     config.compression_ratios = [float(v) for v in config.compression_ratios]
-    config.lengths = [int(v) for v in config.lengths]
+    if config.lengths is not None:
+        config.lengths = [int(v) for v in config.lengths]
+    config.fraction = float(config.fraction)
     config.validate()
     return config
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One run of a sweep: a press at one threshold or compression ratio, at one target length."""
+    """One run of a sweep: a press at one threshold or compression ratio, at one target length (if any)."""
 
     press: str
     knob: str | None
     value: float | None
-    length: int
+    length: int | None
+    dataset: str = DEFAULT_DATASET
 
     @property
     def label(self) -> str:
-        """Readable part of the run directory name, e.g. ``kvzap_mlp__threshold-4__len4096``."""
+        """Readable part of the run directory name, e.g. ``ruler__kvzap_mlp__threshold-4__len4096``."""
         value = "" if self.knob is None else f"__{self.knob}{self.value:g}"
-        return f"{self.press}{value}__len{self.length}"
+        length = "" if self.length is None else f"__len{self.length}"
+        return f"{self.dataset}__{self.press}{value}{length}"
 
 
 def plan_runs(config: EvalConfig) -> list[RunSpec]:
     """Every (press, value, length) of the sweep, in a stable order (lengths outermost)."""
     runs = []
-    for length in config.lengths:
+    for length in config.length_list:
         for name in config.presses:
             knob = PRESSES[name].knob
             values = [None] if knob is None else getattr(config, "thresholds" if knob == "threshold" else knob + "s")
-            runs.extend(RunSpec(name, knob, value, length) for value in values)
+            runs.extend(RunSpec(name, knob, value, length, config.dataset) for value in values)
     return runs
 
 
@@ -184,25 +312,43 @@ def _model_name(config: EvalConfig, model: Any) -> str:
     return Path(str(name).rstrip("/")).name if name else "model"
 
 
+def _source(config: EvalConfig) -> str | None:
+    """Where the samples come from: a local path (absolute), the Hub id, or None for the generator."""
+    if config.dataset_path is not None:
+        return str(Path(config.dataset_path).resolve())
+    return config.benchmark.hub_id
+
+
 def _run_record(config: EvalConfig, run: RunSpec, model_name: str) -> dict[str, Any]:
-    """The resolved settings of one run, as written to ``config.json``."""
-    return {
+    """The resolved settings of one run, as written to ``config.json`` (and hashed into its directory name)."""
+    benchmark = config.benchmark
+    record: dict[str, Any] = {
         "model": model_name,
+        "dataset": config.dataset,
+        "source": _source(config),
         "press": run.press,
         "knob": run.knob,
         "value": run.value,
         "length": run.length,
-        "tasks": list(config.tasks),
-        "n_samples": config.n_samples,
+        "tasks": list(config.task_list),
         "seed": config.seed,
         "max_context_length": config.max_context_length,
         "max_new_tokens": config.max_new_tokens,
         "surrogate": config.surrogate if run.press.startswith("kvzap") else None,
         "sliding_window_size": config.sliding_window_size if run.knob == "threshold" else None,
-        "decoding": config.decoding if run.knob == "threshold" else None,
-        "haystack": config.haystack_file or ruler.default_text_source(),
+        "decoding": config.decoding_for(run.knob),
         "dtype": config.dtype,
     }
+    if config.prefill_chunk_size is not None:  # only when set: runs of a dense prefill keep their directories
+        record["prefill_chunk_size"] = config.prefill_chunk_size
+    if benchmark.hub_id is None:
+        record["n_samples"] = config.samples_per_task
+        record["haystack"] = config.haystack_file or ruler.default_text_source()
+    else:
+        record["fraction"] = config.fraction
+    if benchmark.sampled:
+        record["sampling"] = dataclasses.asdict(config.sampling)
+    return record
 
 
 def run_dir(config: EvalConfig, run: RunSpec, model_name: str) -> Path:
@@ -241,55 +387,96 @@ def _write_predictions(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def _summarize(rows: list[dict[str, Any]], tasks: Sequence[str]) -> dict[str, Any]:
+    """Per-task scores (mean of the sample scores, percent), their mean and the mean compression ratio."""
     per_task = {}
     for task in tasks:
-        task_rows = [r for r in rows if r["task"] == task]
-        metric = METRICS[ruler.TASKS[task].metric]
-        per_task[task] = metric([r["prediction"] for r in task_rows], [r["answers"] for r in task_rows])
+        scores = [r["score"] for r in rows if r["task"] == task]
+        if scores:
+            per_task[task] = sum(scores) / len(scores)
     ratios = [r["compression_ratio"] for r in rows]
     return {
-        "score": sum(per_task.values()) / len(per_task),  # mean over tasks, as RULER averages
+        "score": sum(per_task.values()) / len(per_task),  # mean over tasks, as RULER and LongBench average
         "tasks": per_task,
         "compression_ratio": sum(ratios) / len(ratios),
         "n_predictions": len(rows),
     }
 
 
-def _evaluate_run(pipe, config: EvalConfig, run: RunSpec, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _make_run_press(config: EvalConfig, run: RunSpec):
+    """The press of one run (None for the full cache); threshold presses prune while decoding when the dataset
+    asks for it (aime25) or ``decoding`` is set."""
+    decoding = bool(config.decoding_for(run.knob))
+    try:
+        return make_press(
+            run.press,
+            run.value,
+            surrogate=config.surrogate,
+            sliding_window_size=config.sliding_window_size,
+            decoding=decoding,
+            seed=config.seed,
+        )
+    except ValueError as error:
+        if decoding and config.benchmark.sampled:
+            raise ValueError(f"{config.dataset} prunes while decoding, which {run.press} cannot: {error}") from error
+        raise
+
+
+def _evaluate_run(
+    pipe, config: EvalConfig, run: RunSpec, samples: list[dict[str, Any]], model: Any = None, tokenizer: Any = None
+) -> list[dict[str, Any]]:
+    """Answer and score every sample of one run: greedily with the pipeline, or sampled with ``model.generate``."""
+    benchmark = config.benchmark
     # One press for the whole run: its per-sequence state lives in the cache and its statistics restart at each
     # prefill, while weights it loads (a KVzap surrogate) are loaded once.
-    press = make_press(
-        run.press,
-        run.value,
-        surrogate=config.surrogate,
-        sliding_window_size=config.sliding_window_size,
-        decoding=config.decoding,
-        seed=config.seed,
-    )
+    press = _make_run_press(config, run)
+    # LongBench contexts were truncated in the middle when loaded; the pipeline would keep their beginning.
+    max_context_length = config.max_context_length if benchmark.truncation == "end" else None
     rows = []
     for sample in tqdm(samples, desc=run.label, leave=False, unit="sample"):
-        output = pipe(
-            sample["context"],
-            question=sample["question"],
-            answer_prefix=sample["answer_prefix"],
-            press=press,
-            max_new_tokens=config.max_new_tokens or sample["max_new_tokens"],
-            max_context_length=config.max_context_length,
-        )
-        prediction = output["answer"]
-        metric = METRICS[ruler.TASKS[sample["task"]].metric]
+        budget = config.max_new_tokens or sample["max_new_tokens"]
+        if benchmark.sampled:
+            prediction = aime.generate(
+                model, tokenizer, sample, press, max_new_tokens=budget, sampling=config.sampling, seed=config.seed
+            )
+        else:
+            prediction = pipe(
+                sample["context"],
+                question=sample["question"],
+                answer_prefix=sample["answer_prefix"],
+                press=press,
+                max_new_tokens=budget,
+                max_context_length=max_context_length,
+                prefill_chunk_size=config.prefill_chunk_size,
+            )["answer"]
         rows.append(
             {
                 "task": sample["task"],
                 "id": sample["id"],
                 "prediction": prediction,
                 "answers": sample["answers"],
-                "score": metric([prediction], [sample["answers"]]),
+                "score": benchmark.score(sample, prediction),
                 "compression_ratio": press.compression_ratio if press is not None else 0.0,
                 "n_tokens": sample["n_tokens"],
             }
         )
     return rows
+
+
+def _load_samples(config: EvalConfig, length: int | None, tokenizer: Any) -> list[dict[str, Any]]:
+    benchmark = config.benchmark
+    request = LoadRequest(
+        tasks=config.task_list,
+        length=length,
+        path=config.dataset_path,
+        fraction=config.fraction,
+        seed=config.seed,
+        n_samples=config.samples_per_task,
+        haystack_file=config.haystack_file,
+        max_context_length=config.max_context_length if benchmark.truncation == "middle" else None,
+    )
+    samples = benchmark.load(request, tokenizer)
+    logger.info("%s: %d samples (%s)", config.dataset, len(samples), ", ".join(config.task_list))
+    return samples
 
 
 def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[dict[str, Any]]:
@@ -304,29 +491,28 @@ def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None)
     Returns
     -------
     list of dict, one per run (finished now or before): ``{"run_dir", "press", "knob", "value", "length",
-    "metrics", "skipped"}``.
+    "dataset", "metrics", "skipped"}``.
     """
     config.validate()
-    for name in config.presses:  # fail before loading anything if a press cannot run
-        if not PRESSES[name].available:
-            make_press(name, 0.0)
     if (model is None) != (tokenizer is None):
         raise ValueError("Pass both model and tokenizer, or neither.")
-    model_name = _model_name(config, model)
     runs = plan_runs(config)
+    for run in runs:  # fail before loading anything if a press cannot be built (building one loads no weights)
+        _make_run_press(config, run)
+    model_name = _model_name(config, model)
     pending = [r for r in runs if not (run_dir(config, r, model_name) / "metrics.json").exists()]
     results: list[dict[str, Any]] = []
     if pending and model is None:
         model, tokenizer = _load_model(config)
     pipe = None
-    if pending:
+    if pending and not config.benchmark.sampled:
         from transformers import pipeline
 
         import kvzap  # noqa: F401  (registers the pipeline task)
 
         pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
 
-    samples_by_length: dict[int, list[dict[str, Any]]] = {}
+    samples_by_length: dict[int | None, list[dict[str, Any]]] = {}
     for run in tqdm(runs, desc="runs", unit="run"):
         directory = run_dir(config, run, model_name)
         metrics_path = directory / "metrics.json"
@@ -336,11 +522,9 @@ def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None)
             results.append({"run_dir": str(directory), **dataclasses.asdict(run), "metrics": metrics, "skipped": True})
             continue
         if run.length not in samples_by_length:
-            samples_by_length[run.length] = ruler.generate_samples(
-                tokenizer, config.tasks, run.length, config.n_samples, config.seed, config.haystack_file
-            )
-        rows = _evaluate_run(pipe, config, run, samples_by_length[run.length])
-        metrics = {**_summarize(rows, config.tasks), **dataclasses.asdict(run), "model": model_name}
+            samples_by_length[run.length] = _load_samples(config, run.length, tokenizer)
+        rows = _evaluate_run(pipe, config, run, samples_by_length[run.length], model, tokenizer)
+        metrics = {**_summarize(rows, config.task_list), **dataclasses.asdict(run), "model": model_name}
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(
             json.dumps({**_run_record(config, run, model_name), "sweep": dataclasses.asdict(config)}, indent=2),
@@ -361,32 +545,85 @@ def _split_commas(values: Sequence[str]) -> list[str]:
     return [v for value in values for v in value.split(",") if v]
 
 
+def _datasets_help() -> str:
+    lines = ["datasets:"]
+    for name, benchmark in BENCHMARKS.items():
+        lines += textwrap.wrap(f"{name}: {benchmark.description}.", 100, initial_indent="  ", subsequent_indent="    ")
+        lines += textwrap.wrap(
+            f"tasks: {', '.join(benchmark.tasks)}", 100, initial_indent="    ", subsequent_indent="      "
+        )
+        if benchmark.default_tasks != benchmark.tasks:
+            default = f"default tasks: {', '.join(benchmark.default_tasks)}"
+            lines += textwrap.wrap(default, 100, initial_indent="    ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m evaluation`` / ``kvzap evaluate`` parser (unset flags keep the config's values)."""
     parser = argparse.ArgumentParser(
         prog="python -m evaluation",
-        description="Accuracy vs compression of kvzap presses on RULER-style tasks. "
-        "Subcommands: `plot` (or `summarize`) --results-dir DIR; anything else runs a sweep.",
+        description=textwrap.fill(
+            "Accuracy vs compression of kvzap presses on long-context benchmarks (the offline RULER-style suite, "
+            "RULER, LongBench, AIME 2025). Subcommands: `plot` (or `summarize`) --results-dir DIR; anything else "
+            "runs a sweep.",
+            100,
+        ),
+        epilog=_datasets_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", help="YAML file of settings (overridden by the flags below)")
     parser.add_argument("--model", help="Hub id or local directory ('default' or 'none': kvzap's default model)")
+    parser.add_argument("--dataset", help=f"{', '.join(BENCHMARKS)} (default {DEFAULT_DATASET}; see below)")
+    parser.add_argument(
+        "--dataset-path",
+        dest="dataset_path",
+        help="local JSONL/JSON/Parquet file, or directory of one file per configuration (4096.jsonl, "
+        "narrativeqa.jsonl, aime25.jsonl), in the Hub dataset's format: read instead of the Hub",
+    )
     parser.add_argument(
         "--press", "--presses", dest="presses", nargs="+", help=f"press names: {', '.join(PRESSES)} (comma or space)"
     )
     parser.add_argument("--threshold", "--thresholds", dest="thresholds", nargs="+", type=float)
     parser.add_argument("--compression-ratio", "--compression-ratios", dest="compression_ratios", nargs="+", type=float)
-    parser.add_argument("--tasks", nargs="+", help=f"task names: {', '.join(ruler.TASKS)} (comma or space)")
-    parser.add_argument("--lengths", nargs="+", type=int, help="target prompt lengths in tokens")
-    parser.add_argument("--n-samples", dest="n_samples", type=int)
-    parser.add_argument("--max-context-length", dest="max_context_length", type=int)
-    parser.add_argument("--max-new-tokens", dest="max_new_tokens", type=int)
+    parser.add_argument("--tasks", nargs="+", help="task names of the dataset (comma or space; default: its defaults)")
+    parser.add_argument(
+        "--lengths",
+        nargs="+",
+        type=int,
+        help="ruler_offline: target prompt lengths in tokens; ruler: configurations (4096 8192 ...); default 4096",
+    )
+    parser.add_argument("--n-samples", dest="n_samples", type=int, help="ruler_offline: samples per task (default 10)")
+    parser.add_argument(
+        "--fraction", type=float, help="Hub datasets: share of each task's samples, chosen from the seed (default 1)"
+    )
+    parser.add_argument(
+        "--max-context-length",
+        dest="max_context_length",
+        type=int,
+        help="truncate longer contexts (longbench: in the middle; others: keep the beginning)",
+    )
+    parser.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, help="override every task's budget")
+    parser.add_argument(
+        "--prefill-chunk-size",
+        dest="prefill_chunk_size",
+        type=int,
+        help="prefill contexts in chunks of this many tokens, each pruned after its forward (default: dense)",
+    )
+    parser.add_argument("--temperature", type=float, help="aime25 sampling (default 0.6)")
+    parser.add_argument("--top-p", dest="top_p", type=float, help="aime25 sampling (default 0.95)")
+    parser.add_argument("--top-k", dest="top_k", type=int, help="aime25 sampling (default 20; 0 disables)")
+    parser.add_argument("--min-p", dest="min_p", type=float, help="aime25 sampling (default 0: disabled)")
     parser.add_argument("--output-dir", dest="output_dir")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--surrogate", help="KVzap surrogate directory or Hub id")
     parser.add_argument("--sliding-window-size", dest="sliding_window_size", type=int)
-    parser.add_argument("--decoding", action="store_true", help="KVzap presses also prune during decoding")
-    parser.add_argument("--haystack-file", dest="haystack_file", help="text file for the real-text haystack")
+    parser.add_argument(
+        "--decoding", action="store_true", help="KVzap presses also prune during decoding (always on for aime25)"
+    )
+    parser.add_argument(
+        "--haystack-file", dest="haystack_file", help="ruler_offline: text file for the real-text haystack"
+    )
     parser.add_argument("--device")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
@@ -405,12 +642,12 @@ def config_from_args(argv: Sequence[str] | None) -> tuple[EvalConfig, bool]:
 
 
 def _format_results(results: list[dict[str, Any]]) -> str:
-    lines = [f"{'run':48s} {'score':>7s} {'compr.':>7s}"]
+    lines = [f"{'run':56s} {'score':>7s} {'compr.':>7s}"]
     for result in results:
         metrics = result["metrics"]
-        label = RunSpec(result["press"], result["knob"], result["value"], result["length"]).label
+        label = RunSpec(**{f.name: result[f.name] for f in dataclasses.fields(RunSpec)}).label
         mark = " (cached)" if result["skipped"] else ""
-        lines.append(f"{label:48s} {metrics['score']:7.2f} {metrics['compression_ratio']:7.3f}{mark}")
+        lines.append(f"{label:56s} {metrics['score']:7.2f} {metrics['compression_ratio']:7.3f}{mark}")
     return "\n".join(lines)
 
 

@@ -1,12 +1,17 @@
-"""End-to-end sweeps on a tiny model: files written, resume, config layering, CLI and plots."""
+"""End-to-end sweeps on a tiny model: files written, resume, config layering, CLI and plots; every dataset."""
 
 import csv
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
-from evaluation.metrics import sample_score
+from evaluation.benchmarks import BENCHMARKS, LoadRequest
+from evaluation.metrics import last_boxed, normalize_integer_answer, sample_score
 from evaluation.plots import summarize
+from evaluation.presses import PRESSES, PressFactory
+from evaluation.ruler import TASKS
 from evaluation.runner import EvalConfig, load_config, main, plan_runs, run_dir, run_evaluation
 from tests.conftest import char_tokenizer, tiny_model
 
@@ -73,7 +78,7 @@ def test_summary_plot_and_table(finished, tmp_path):
     paths = summarize(config.output_dir, tmp_path)
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = paths["table"].read_text()
-    assert "| tiny-llama | 400 | random | ratio=0.5 |" in table and "no_press" in table
+    assert "| tiny-llama | ruler_offline | 400 | random | ratio=0.5 |" in table and "no_press" in table
     assert main(["plot", "--results-dir", config.output_dir, "--output-dir", str(tmp_path / "cli")]) == 0
     assert (tmp_path / "cli" / "summary.md").exists()
 
@@ -101,17 +106,30 @@ def test_plan_sweeps_each_press_knob():
     )
     labels = [r.label for r in plan_runs(config)]
     assert labels[:4] == [
-        "no_press__len1",
-        "kvzap_mlp__threshold-5__len1",
-        "kvzap_mlp__threshold-4__len1",
-        "random__compression_ratio0.25__len1",
+        "ruler_offline__no_press__len1",
+        "ruler_offline__kvzap_mlp__threshold-5__len1",
+        "ruler_offline__kvzap_mlp__threshold-4__len1",
+        "ruler_offline__random__compression_ratio0.25__len1",
     ]
     assert len(labels) == 8
+    # Datasets without target lengths: one run per press and value.
+    longbench = load_config(dataset="longbench", presses=["no_press", "random"], compression_ratios=[0.5])
+    assert [r.label for r in plan_runs(longbench)] == ["longbench__no_press", "longbench__random__compression_ratio0.5"]
 
 
-def test_cli_errors_before_loading_a_model(tmp_path, capsys):
-    assert main(["--press", "kvzip_plus", "--output-dir", str(tmp_path)]) == 1
+def test_cli_errors_before_loading_a_model(tmp_path, monkeypatch, capsys):
+    def no_model(config):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("evaluation.runner._load_model", no_model)
+    # A press declared in the registry but not implemented.
+    monkeypatch.setitem(PRESSES, "future", PressFactory("future", "threshold", None, "a future press"))
+    assert main(["--press", "future", "--output-dir", str(tmp_path)]) == 1
     assert "not available yet" in capsys.readouterr().err
+    # aime25 prunes while decoding: a press that cannot is refused before the model loads.
+    argv = ["--dataset", "aime25", "--press", "kvzip_plus_threshold", "--threshold", "0", "--output-dir", str(tmp_path)]
+    assert main(argv) == 1
+    assert "aime25 prunes while decoding, which kvzip_plus_threshold cannot" in capsys.readouterr().err
     assert main(["--tasks", "nope"]) == 2
     assert main(["plot", "--results-dir", str(tmp_path / "missing")]) == 1
 
@@ -135,3 +153,255 @@ def test_cli_sweep_with_yaml_and_flags(tmp_path, monkeypatch, capsys):
     assert metrics["n_predictions"] == 1 and metrics["compression_ratio"] > 0.9
     resolved = json.loads((metrics_path.parent / "config.json").read_text())
     assert resolved["surrogate"] == str(tmp_path / "surrogate") and resolved["sliding_window_size"] == 8
+
+
+# --- standard benchmarks, from the local fixtures ----------------------------------------------------------------
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _read_outputs(result):
+    directory = Path(result["run_dir"])
+    metrics = json.loads((directory / "metrics.json").read_text())
+    resolved = json.loads((directory / "config.json").read_text())
+    with (directory / "predictions.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    return metrics, resolved, rows
+
+
+def _assert_consistent(metrics, rows, tasks):
+    assert list(metrics["tasks"]) == list(tasks) and metrics["n_predictions"] == len(rows)
+    for task in tasks:
+        scores = [float(r["score"]) for r in rows if r["task"] == task]
+        assert metrics["tasks"][task] == pytest.approx(sum(scores) / len(scores))
+    assert metrics["score"] == pytest.approx(sum(metrics["tasks"].values()) / len(tasks))
+
+
+def test_ruler_hub_format_end_to_end(tmp_path, monkeypatch):
+    tasks = ["niah_single_1", "vt", "qa_1"]
+    config = load_config(
+        dataset="ruler",
+        dataset_path=str(FIXTURES / "ruler"),
+        presses=["no_press", "random"],
+        compression_ratios=[0.5],
+        tasks=tasks,
+        lengths=[512],
+        fraction=0.5,
+        max_new_tokens=4,
+        output_dir=str(tmp_path),
+    )
+    results = run_evaluation(config, tiny_model("llama"), char_tokenizer())
+    assert [Path(r["run_dir"]).name.rsplit("__", 1)[0] for r in results] == [
+        "ruler__no_press__len512",
+        "ruler__random__compression_ratio0.5__len512",
+    ]
+    for result in results:
+        metrics, resolved, rows = _read_outputs(result)
+        _assert_consistent(metrics, rows, tasks)
+        assert metrics["dataset"] == "ruler" and metrics["length"] == 512
+        assert [r["task"] for r in rows] == ["niah_single_1", "niah_single_1", "vt", "qa_1"]  # half of each, >= 1
+        assert resolved["dataset"] == "ruler" and resolved["fraction"] == 0.5 and "n_samples" not in resolved
+        assert resolved["source"] == str((FIXTURES / "ruler").resolve())
+        for row in rows:
+            sample = {"task": row["task"], "answers": json.loads(row["answers"])}
+            assert float(row["score"]) == BENCHMARKS["ruler"].score(sample, row["prediction"])
+    # Resume skips; another fraction is another run.
+    monkeypatch.setattr("evaluation.runner._evaluate_run", _fail)
+    assert all(r["skipped"] for r in run_evaluation(config, tiny_model("llama"), char_tokenizer()))
+    other = dataclasses.replace(config, fraction=1.0)
+    assert run_dir(other, plan_runs(other)[0], "tiny-llama") != Path(results[0]["run_dir"])
+
+
+def _fail(*args, **kwargs):
+    raise AssertionError("a finished run was evaluated again")
+
+
+def test_longbench_end_to_end(tmp_path, monkeypatch):
+    tasks = ["narrativeqa", "trec", "passage_retrieval_en", "lcc"]
+    config = load_config(
+        dataset="longbench",
+        dataset_path=str(FIXTURES / "longbench"),
+        presses=["no_press", "key_norm"],
+        compression_ratios=[0.5],
+        tasks=tasks,
+        fraction=0.5,
+        max_new_tokens=3,
+        max_context_length=120,
+        output_dir=str(tmp_path),
+    )
+    results = run_evaluation(config, tiny_model("llama"), char_tokenizer())
+    assert [r["length"] for r in results] == [None, None] and [r["dataset"] for r in results] == ["longbench"] * 2
+    # The samples run: one of the two of each task, contexts cut in the middle to 120 tokens.
+    request = LoadRequest(tasks=tuple(tasks), path=str(FIXTURES / "longbench"), fraction=0.5, max_context_length=120)
+    samples = BENCHMARKS["longbench"].load(request, char_tokenizer())
+    assert [s["task"] for s in samples] == tasks and all(len(s["context"]) <= 120 for s in samples)
+    for result in results:
+        metrics, resolved, rows = _read_outputs(result)
+        _assert_consistent(metrics, rows, tasks)
+        assert [(r["id"], int(r["n_tokens"])) for r in rows] == [(s["id"], s["n_tokens"]) for s in samples]
+        assert resolved["length"] is None and resolved["max_context_length"] == 120 and resolved["fraction"] == 0.5
+        for row, sample in zip(rows, samples, strict=True):
+            assert float(row["score"]) == BENCHMARKS["longbench"].score(sample, row["prediction"])
+        ratios = [float(r["compression_ratio"]) for r in rows]
+        assert ratios == [0.0] * 4 if result["press"] == "no_press" else all(0.4 < r < 0.6 for r in ratios)
+    monkeypatch.setattr("evaluation.runner._evaluate_run", _fail)
+    assert all(r["skipped"] for r in run_evaluation(config, tiny_model("llama"), char_tokenizer()))
+
+
+def test_aime_end_to_end_prunes_while_decoding(tmp_path, monkeypatch):
+    from kvzap.surrogates import KVzapSurrogate
+
+    KVzapSurrogate(input_dim=64, output_dim=2, n_modules=2).save_pretrained(tmp_path / "surrogate")
+    config = load_config(
+        dataset="aime25",
+        dataset_path=str(FIXTURES / "aime25"),
+        presses=["no_press", "kvzap_linear"],
+        thresholds=[100.0],
+        surrogate=str(tmp_path / "surrogate"),
+        sliding_window_size=4,
+        max_new_tokens=10,
+        temperature=0.8,
+        output_dir=str(tmp_path / "out"),
+    )
+    assert config.decoding is False  # the setting is off, but AIME always prunes while decoding
+    results = run_evaluation(config, tiny_model("llama"), char_tokenizer())
+    by_press = {r["press"]: _read_outputs(r) for r in results}
+    for metrics, resolved, rows in by_press.values():
+        _assert_consistent(metrics, rows, ["aime25"])
+        assert [r["id"] for r in rows] == ["fixture-1", "fixture-2", "fixture-3"]
+        assert resolved["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+        for row in rows:
+            assert float(row["score"]) == (
+                100.0
+                if normalize_integer_answer(last_boxed(row["prediction"]) or "") == json.loads(row["answers"])[0]
+                else 0.0
+            )
+    metrics, resolved, rows = by_press["kvzap_linear"]
+    assert resolved["decoding"] is True and metrics["compression_ratio"] > 0.5
+    assert by_press["no_press"][1]["decoding"] is None and by_press["no_press"][0]["compression_ratio"] == 0.0
+    monkeypatch.setattr("evaluation.runner._evaluate_run", _fail)
+    assert all(r["skipped"] for r in run_evaluation(config, tiny_model("llama"), char_tokenizer()))
+    # The sampling settings are part of the run's identity.
+    hotter = dataclasses.replace(config, temperature=1.0)
+    assert run_dir(hotter, plan_runs(hotter)[0], "tiny-llama") != Path(results[0]["run_dir"])
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(dataset="nope"), "Unknown dataset 'nope'; choose from ruler_offline, ruler, longbench, aime25"),
+        (dict(dataset="longbench", tasks="narrativeqa,niah_single"), "Unknown task 'niah_single' for the dataset"),
+        (dict(dataset="ruler", tasks=["cwe", "cwe"]), "named twice"),
+        (dict(dataset="longbench", lengths=[4096]), "has no target lengths"),
+        (dict(dataset="aime25", lengths=[4096]), "has no target lengths"),
+        (dict(dataset="ruler", n_samples=5), "use fraction"),
+        (dict(fraction=0.5), "ruler_offline takes n_samples"),
+        (dict(dataset="ruler", fraction=0.0), r"fraction must be in \(0, 1\]"),
+        (dict(dataset="ruler", fraction=1.5), r"fraction must be in \(0, 1\]"),
+        (dict(dataset_path="tests"), "ruler_offline is generated"),
+        (dict(dataset="ruler", dataset_path="/no/such/dir"), "does not exist"),
+        (dict(dataset="ruler", dataset_path=str(FIXTURES / "ruler"), lengths=[4096]), "4096.jsonl"),
+        (dict(dataset="longbench", dataset_path=str(FIXTURES / "longbench")), "qasper"),
+        (dict(dataset="ruler", haystack_file="x.txt"), "haystack_file is a setting of ruler_offline"),
+        (dict(temperature=0.7), "temperature set the sampling of aime25"),
+        (dict(dataset="longbench", top_k=5), "top_k set the sampling"),
+        (dict(dataset="aime25", temperature=0.0), "temperature must be > 0"),
+        (dict(dataset="aime25", top_p=2.0), r"top_p must be in \(0, 1\]"),
+        (dict(dataset="aime25", max_context_length=100), "max_context_length does not apply"),
+        (dict(dataset="aime25", prefill_chunk_size=64), "prefill_chunk_size does not apply"),
+        (dict(prefill_chunk_size=0), "prefill_chunk_size must be a positive integer"),
+    ],
+)
+def test_bad_settings_fail_before_loading(settings, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(**settings)
+
+
+def test_chinese_tasks_need_jieba(monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "jieba" else real_find_spec(name))
+    with pytest.raises(ValueError, match="pip install jieba"):
+        load_config(dataset="longbench", tasks=["dureader"])
+    assert load_config(dataset="longbench", tasks=["lsht", "passage_retrieval_zh"]).task_list == (
+        "lsht",
+        "passage_retrieval_zh",
+    )
+
+
+def test_dataset_defaults_resolve():
+    assert load_config().task_list == tuple(TASKS) and load_config().length_list == [4096]
+    assert load_config().samples_per_task == 10 and load_config().sampling is None
+    longbench = load_config(dataset="longbench")
+    assert len(longbench.task_list) == 16 and longbench.length_list == [None]
+    assert load_config(dataset="ruler", lengths=[4096, 8192]).length_list == [4096, 8192]
+    aime = load_config(dataset="aime25", top_k=0)
+    assert aime.sampling.top_k == 0 and aime.sampling.temperature == 0.6
+    assert aime.decoding_for("threshold") is True and aime.decoding_for("compression_ratio") is None
+
+
+def test_cli_benchmark_flags(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("evaluation.runner._load_model", lambda config: (tiny_model("llama"), char_tokenizer()))
+    argv = ["--dataset", "longbench", "--dataset-path", str(FIXTURES / "longbench"), "--tasks", "trec,lcc"]
+    argv += ["--press", "no_press", "--max-new-tokens", "2", "--fraction", "0.5", "--output-dir", str(tmp_path)]
+    assert main(argv) == 0
+    assert "longbench__no_press" in capsys.readouterr().out
+    (metrics_path,) = tmp_path.rglob("metrics.json")
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["n_predictions"] == 2 and set(metrics["tasks"]) == {"trec", "lcc"}
+    assert main(["--dataset", "longbench", "--lengths", "4096"]) == 2
+    assert "has no target lengths" in capsys.readouterr().err
+    assert main(["--dataset", "aime25", "--top-p", "0"]) == 2
+
+
+def test_help_lists_every_dataset(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for name in ("ruler_offline", "ruler", "longbench", "aime25", "--dataset-path", "--fraction", "--temperature"):
+        assert name in out
+    assert "simonjegou/ruler" in out and "THUDM/LongBench" in out and "alessiodevoto/aime25" in out
+
+
+def test_plot_panels_per_dataset_and_datasets_without_length(tmp_path):
+    from evaluation.plots import _panel, collect_results, summary_table
+
+    def write(name, **metrics):
+        run = tmp_path / name
+        run.mkdir()
+        base = {"model": "m", "score": 50.0, "tasks": {"t": 50.0}, "compression_ratio": 0.0, "knob": None}
+        (run / "metrics.json").write_text(json.dumps({**base, **metrics}), encoding="utf-8")
+
+    write("a", dataset="ruler_offline", length=2048, press="no_press", value=None)
+    write("b", dataset="longbench", length=None, press="no_press", value=None)
+    write("c", dataset="longbench", length=None, press="kvzap_mlp", knob="threshold", value=-4.0, compression_ratio=0.5)
+    results = collect_results(tmp_path)
+    assert [(_panel(r), r["press"]) for r in results] == [
+        (("m", "longbench", -1), "kvzap_mlp"),
+        (("m", "longbench", -1), "no_press"),
+        (("m", "ruler_offline", 2048), "no_press"),
+    ]
+    assert "| m | longbench | - | kvzap_mlp | tau=-4 | 0.500 |" in summary_table(results)
+    paths = summarize(tmp_path, tmp_path / "out")  # two panels, no crash on the missing length
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chunked_prefill_runs_in_their_own_directories(finished, monkeypatch):
+    config, results = finished
+    calls = []
+    from kvzap.pipeline import KVPressTextGenerationPipeline
+
+    original = KVPressTextGenerationPipeline._forward
+
+    def spy(self, inputs, *args, **kwargs):
+        calls.append(kwargs.get("prefill_chunk_size"))
+        return original(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(KVPressTextGenerationPipeline, "_forward", spy)
+    chunked = load_config(output_dir=config.output_dir, prefill_chunk_size=64, **SETTINGS)
+    again = run_evaluation(chunked, tiny_model("llama"), char_tokenizer())
+    assert [r["skipped"] for r in again] == [False, False]  # not mistaken for the dense runs
+    assert {r["run_dir"] for r in again}.isdisjoint(r["run_dir"] for r in results)
+    assert calls and set(calls) == {64}
+    recorded = json.loads((Path(again[1]["run_dir"]) / "config.json").read_text())
+    assert recorded["prefill_chunk_size"] == 64
