@@ -58,9 +58,9 @@ def report(directory: Path) -> str:
                 f"{r['none_decode_tok_s']:.2f} tok/s (**{speed:.2f}x**), prefill "
                 f"{r['compact_prefill_s'] / r['none_prefill_s']:.2f}x"
             )
-    peaks = {mode: _load(directory, f"peak_{mode}.json") for mode in ("none", "compact", "kvpress")}
-    if all(peaks.values()):
-        rows = {mode: peaks[mode]["results"][0] for mode in peaks}
+    peaks = {mode: _load(directory, f"peak_{mode}.json") for mode in ("none", "compact", "compact_chunked", "kvpress")}
+    if peaks["none"] and peaks["compact"]:
+        rows = {mode: peak["results"][0] for mode, peak in peaks.items() if peak}
         lines += [
             "",
             "Peak process memory (max RSS), 8k-token prefill + 256 decoded tokens, one fresh process each:",
@@ -68,9 +68,34 @@ def report(directory: Path) -> str:
             "| run | peak RSS (MB) | KV after decoding (MB) |",
             "|---|---|---|",
         ]
-        names = {"none": "no press", "compact": "kvzap (compact)", "kvpress": "kvpress 0.5.5"}
+        chunk = peaks["compact_chunked"]["meta"].get("prefill_chunk") if peaks["compact_chunked"] else None
+        names = {
+            "none": "no press",
+            "compact": "kvzap (compact)",
+            "compact_chunked": f"kvzap (compact), prefill in chunks of {chunk}",
+            "kvpress": "kvpress 0.5.5",
+        }
         for mode, row in rows.items():
             lines.append(f"| {names[mode]} | {row['peak_rss_mb']:.0f} | {row['kv_bytes_after_decode'] / MB:.0f} |")
+    scorers = _load(directory, "scorers.json")
+    if scorers:
+        m = scorers["meta"]
+        lines += [
+            "",
+            f"Learned scorers: parameters and the time to score every layer's new pairs ({m['prefill_tokens']}-token "
+            f"prefill: the model's own forward takes {m['model_prefill_ms']:.0f} ms; one decoded token: "
+            f"{m['model_decode_step_ms']:.1f} ms; median of {m['runs']} runs):",
+            "",
+            "| scorer | parameters (per layer) | prefill scoring ms (share of the forward) "
+            "| decode scoring ms (share) |",
+            "|---|---|---|---|",
+        ]
+        for r in scorers["results"]:
+            lines.append(
+                f"| {r['scorer']} | {r['parameters']:,} ({r['parameters_per_layer']:,}) | "
+                f"{r['prefill_scoring_ms']:.1f} ({r['prefill_scoring_share']:.1%}) | "
+                f"{r['decode_scoring_ms']:.2f} ({r['decode_scoring_share']:.1%}) |"
+            )
     collect = _load(directory, "collect.json")
     if collect:
         sec = collect["seconds"]

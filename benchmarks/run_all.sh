@@ -25,7 +25,12 @@ for mode in none compact; do
     "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \
         --peak-memory "$mode" --json "$OUT/peak_$mode.json"
 done
+"$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \
+    --peak-memory compact --prefill-chunk 1024 --json "$OUT/peak_compact_chunked.json"
 "$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \
     --peak-memory kvpress --json "$OUT/peak_kvpress.json"
-"$PY" -m benchmarks.bench_collect --threads "$THREADS" --runs 3 --json "$OUT/collect.json"
+"$PY" -m benchmarks.bench_scorers --model "$MODEL" --threads "$THREADS" --json "$OUT/scorers.json"
+if [ -z "${SKIP_COLLECT:-}" ]; then  # the KVzip+ collection cost (training); SKIP_COLLECT=1 keeps the last figures
+    "$PY" -m benchmarks.bench_collect --threads "$THREADS" --runs 3 --json "$OUT/collect.json"
+fi
 "$PY" -m benchmarks.report "$OUT" | tee "$OUT/report.md"

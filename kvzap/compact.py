@@ -91,8 +91,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._routing_cache = None  # see _routing
         self._table = None  # (nh, max_blocks) long: block ids of each head in order (0 past its blocks)
         self._slot = None  # (nh, positions capacity) int32: flat slot of (head, position), -1 if not stored
-        self._n_t = None  # (nh,) long: live pairs per head
-        self._n: list[int] = []  # host copy of _n_t
+        self._n: list[int] = []  # live pairs per head (host-side: slots are computed on the host)
         self._blocks: list[list[int]] = []  # host copy of the block table rows
         self._free: list[int] = []  # free block ids
         self._first_forward = True  # the new pairs of the first update are the whole cache
@@ -220,7 +219,6 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._slot = torch.full((new_nh, max(self.seen, 1) + 64), -1, dtype=torch.int32, device=dev)
         self._slot[head, src_pos] = dst.to(torch.int32)
         self._n = n
-        self._n_t = counts.to(torch.long)
 
     # --- transformers cache layer ------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -234,7 +232,6 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._new_pool(0)
         self._table = torch.zeros(self._nh, 4, dtype=torch.long, device=self.device)
         self._slot = torch.full((self._nh, 64), -1, dtype=torch.int32, device=self.device)
-        self._n_t = torch.zeros(self._nh, dtype=torch.long, device=self.device)
         self._n = [0] * self._nh
         self._blocks = [[] for _ in range(self._nh)]
         self._free = []
@@ -260,17 +257,24 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             self._owner[ids_t] = torch.tensor(heads, dtype=torch.long, device=dev)
             self._routing_cache = None
         self._ensure_slot_width(self.seen + q_len)
-        local = self._n_t[:, None] + torch.arange(q_len, device=dev)  # (nh, q)
-        slots = (self._table.gather(1, local // bs) * bs + local % bs).view(-1)
+        if q_len == 1:  # decoding: each head's next slot, from the host-side block lists (one small tensor)
+            slots = torch.tensor(
+                [blocks[n // bs] * bs + n % bs for n, blocks in zip(self._n, self._blocks, strict=True)], device=dev
+            )
+        else:
+            local = torch.tensor(self._n, device=dev)[:, None] + torch.arange(q_len, device=dev)  # (nh, q)
+            slots = (self._table.gather(1, local // bs) * bs + local % bs).view(-1)
         self._writable(slots)
         d_k, d_v = self._kb.shape[-1], self._vb.shape[-1]
         self._kb.view(-1, d_k).index_copy_(0, slots, key_states.reshape(-1, d_k))
         self._vb.view(-1, d_v).index_copy_(0, slots, value_states.reshape(-1, d_v))
-        positions = torch.arange(self.seen, self.seen + q_len, device=dev)
-        self._pb.view(-1).index_copy_(0, slots, positions.repeat(self._nh))
+        if q_len == 1:
+            self._pb.view(-1).index_fill_(0, slots, self.seen)
+        else:
+            positions = torch.arange(self.seen, self.seen + q_len, device=dev)
+            self._pb.view(-1).index_copy_(0, slots, positions.repeat(self._nh))
         self._valid.view(-1).index_fill_(0, slots, True)
-        self._slot[:, self.seen : self.seen + q_len] = slots.view(self._nh, q_len).to(torch.int32)
-        self._n_t = self._n_t + q_len
+        self._slot[:, self.seen : self.seen + q_len] = slots.view(self._nh, q_len)
         self._n = [n + q_len for n in self._n]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -365,41 +369,36 @@ class CompactLayer(PrunableLayer, DynamicLayer):
                 f"evict covers positions {start}..{start + n_pos - 1}, but this layer has seen positions "
                 f"0..{self.seen - 1} only."
             )
-        slots = self._slot[:, start : start + n_pos].long()  # (nh, n)
+        slots = self._slot[:, start : start + n_pos]  # (nh, n) int32
         hit = mask.to(device=self.device, dtype=torch.bool).reshape(self._nh, n_pos) & (slots >= 0)
-        counts = hit.sum(-1)
-        self.n_evicted = self.n_evicted + counts.view(self._bsz, self._heads)  # out of place: snapshots share it
+        self.n_evicted = self.n_evicted + hit.sum(-1).view(self._bsz, self._heads)  # out of place: snapshots share it
         if n_pos > _SWAP_REMOVE_MAX:
-            self._valid.view(-1)[slots[hit]] = False
+            self._valid.view(-1)[slots[hit].long()] = False
             self._slot[:, start : start + n_pos].masked_fill_(hit, -1)
             self._repack()
             return
+        hits = hit.tolist()
         for j in range(n_pos):
-            self._swap_remove(start + j, slots[:, j], hit[:, j])
-        n_new = self._n_t.tolist()
-        for i, n in enumerate(n_new):
-            keep_blocks = _ceil_div(n, self.block_size)
-            if keep_blocks < len(self._blocks[i]):  # blocks emptied by the removals go back to the free list
-                freed = self._blocks[i][keep_blocks:]
-                del self._blocks[i][keep_blocks:]
-                self._free.extend(freed)
-                self._owner[torch.tensor(freed, dtype=torch.long, device=self.device)] = self._nh
-                self._routing_cache = None
-        self._n = n_new
+            heads = [i for i in range(self._nh) if hits[i][j]]
+            if heads:
+                self._swap_remove(start + j, heads)
 
-    def _swap_remove(self, position: int, dst: torch.Tensor, hit: torch.Tensor) -> None:
-        """Evict ``position`` from the heads where ``hit`` ``(nh,)``, ``dst`` being its flat slot in each.
+    def _swap_remove(self, position: int, heads: list[int]) -> None:
+        """Evict ``position`` from ``heads`` (each stores it): each moves its last live pair into the freed slot.
 
-        Each such head moves its last live pair into the freed slot, so its live slots stay a prefix: all
-        heads at once, a handful of tensor operations whatever the number of heads.
+        Live slots stay a prefix of each head's blocks; a block emptied this way returns to the free list. The
+        slots involved are computed on the host (it knows every head's count and blocks): a dozen tensor
+        operations for all heads together.
         """
-        heads = hit.nonzero().squeeze(1)
-        if heads.numel() == 0:
-            return
-        bs = self.block_size
-        last = self._n_t.index_select(0, heads) - 1
-        src = self._table[heads, last // bs] * bs + last % bs
-        dst = dst.index_select(0, heads)
+        bs, dev = self.block_size, self.device
+        heads_t = torch.tensor(heads, device=dev)
+        dst = self._slot[heads_t, position].long()
+        src_list = []
+        for i in heads:
+            last = self._n[i] - 1
+            src_list.append(self._blocks[i][last // bs] * bs + last % bs)
+            self._n[i] = last
+        src = torch.tensor(src_list, device=dev)
         self._writable(dst)
         d_k, d_v = self._kb.shape[-1], self._vb.shape[-1]
         keys, values, positions = self._kb.view(-1, d_k), self._vb.view(-1, d_v), self._pb.view(-1)
@@ -407,17 +406,25 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         values.index_copy_(0, dst, values.index_select(0, src))
         moved = positions.index_select(0, src)
         positions.index_copy_(0, dst, moved)
-        valid = self._valid.view(-1)
-        valid.index_fill_(0, src, False)  # the last slot is free now (moved away, or evicted itself)
-        valid.index_copy_(0, dst, dst != src)  # dst holds the moved pair, unless dst was the last slot
+        # The last slot is free now (its pair moved to dst, or it was the evicted pair itself).
+        self._valid.view(-1).index_fill_(0, src, False)
         # The moved pair now lives at dst; then the evicted position is gone (also when it was the last pair).
-        self._slot[heads, moved] = dst.to(torch.int32)
-        self._slot[heads, position] = -1
-        self._n_t = self._n_t - hit.long()
+        self._slot[heads_t, moved] = dst.to(torch.int32)
+        self._slot[heads_t, position] = -1
+        freed = []
+        for i in heads:
+            keep_blocks = _ceil_div(self._n[i], bs)
+            if keep_blocks < len(self._blocks[i]):
+                freed.extend(self._blocks[i][keep_blocks:])
+                del self._blocks[i][keep_blocks:]
+        if freed:
+            self._free.extend(freed)
+            self._owner[torch.tensor(freed, dtype=torch.long, device=dev)] = self._nh
+            self._routing_cache = None
 
     def kept_counts(self) -> torch.Tensor:
         """``(B, H)`` pairs physically stored (here: exactly the kept pairs)."""
-        return self._n_t.view(self._bsz, self._heads).clone()
+        return torch.tensor(self._n, dtype=torch.long, device=self.device).view(self._bsz, self._heads)
 
     def keep_mask(self) -> torch.Tensor:
         """``(B, H, seen)`` True at the positions whose pair is stored."""
@@ -445,7 +452,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         """Bytes allocated by this layer: the block pool (free blocks included) and its bookkeeping tensors."""
         if not self.is_initialized:
             return 0
-        tensors = (self._kb, self._vb, self._pb, self._valid, self._owner, self._table, self._slot, self._n_t)
+        tensors = (self._kb, self._vb, self._pb, self._valid, self._owner, self._table, self._slot)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _pair_bytes(self) -> int:
