@@ -52,7 +52,7 @@ def _demo(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
     from transformers import DynamicCache, pipeline
 
-    from kvzap import DMSThresholdPress, KVzapScorer
+    from kvzap import DMSThresholdPress, FastKVzipScorer, KVzapScorer
     from kvzap.cache import kv_bytes
     from kvzap.models import load_model
 
@@ -64,11 +64,15 @@ def _demo(args: argparse.Namespace) -> int:
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
     context = demo_context(tokenizer, args.context_tokens)
     n_tokens = len(tokenizer.encode(context))
-    scorer = KVzapScorer(model_type=args.model_type, surrogate=args.surrogate)
+    if args.model_type == "fastkvzip":
+        scorer = FastKVzipScorer(surrogate=args.surrogate)
+    else:
+        scorer = KVzapScorer(model_type=args.model_type, surrogate=args.surrogate)
     press = DMSThresholdPress(scorer, threshold=args.threshold, sliding_window_size=args.window)
 
     results = {}
-    for name, the_press in (("full cache", None), (f"KVzap-{args.model_type}", press)):
+    label = "Fast KVzip" if args.model_type == "fastkvzip" else f"KVzap-{args.model_type}"
+    for name, the_press in (("full cache", None), (label, press)):
         steps.set_postfix_str(f"answering with {name} ({n_tokens} context tokens)")
         cache = DynamicCache(config=model.config)
         start = time.perf_counter()
@@ -97,7 +101,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvzap import KVzapScorer
+    from kvzap import FastKVzipScorer, KVzapScorer
     from kvzap.calibrate import calibrate, collect_scores, compression_curve
     from kvzap.models import load_model
 
@@ -108,7 +112,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         words = demo_context(tokenizer, args.max_tokens * 3).split()
         size = len(words) // 3
         texts = [" ".join(words[i * size : (i + 1) * size]) for i in range(3)]
-    scorer = KVzapScorer(model_type=args.model_type, surrogate=args.surrogate)
+    if args.model_type == "fastkvzip":
+        scorer = FastKVzipScorer(surrogate=args.surrogate)
+    else:
+        scorer = KVzapScorer(model_type=args.model_type, surrogate=args.surrogate)
     scores = collect_scores(model, tokenizer, scorer, texts, max_tokens=args.max_tokens)
     print(f"Model: {model.config._name_or_path}   surrogate: {scorer.source}   window: {args.window}")
     print(f"{'target':>8} {'threshold':>10} {'reached':>8}")
@@ -138,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="answer a question about a long text with and without KVzap pruning")
     demo.add_argument("--model", default=None, help="Hub id or local dir (default: the embedded SmolLM2-135M)")
-    demo.add_argument("--model-type", choices=["mlp", "linear"], default="mlp")
+    demo.add_argument(
+        "--model-type", choices=["mlp", "linear", "fastkvzip"], default="mlp", help="KVzap-MLP/-Linear or Fast KVzip"
+    )
     demo.add_argument("--surrogate", default=None, help="surrogate dir or Hub id (default: bundled for the model)")
     demo.add_argument("--threshold", type=float, default=-4.0)
     demo.add_argument("--window", type=int, default=128, help="sliding window size")
@@ -149,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     cal = sub.add_parser("calibrate", help="thresholds reaching target compression ratios on sample texts")
     cal.add_argument("--target", type=float, nargs="+", default=[0.25, 0.5, 0.75], help="compression ratios")
     cal.add_argument("--model", default=None, help="Hub id or local dir (default: the embedded SmolLM2-135M)")
-    cal.add_argument("--model-type", choices=["mlp", "linear"], default="mlp")
+    cal.add_argument(
+        "--model-type", choices=["mlp", "linear", "fastkvzip"], default="mlp", help="KVzap-MLP/-Linear or Fast KVzip"
+    )
     cal.add_argument("--surrogate", default=None)
     cal.add_argument("--window", type=int, default=128, help="sliding window size")
     cal.add_argument("--texts", nargs="*", help="text files (default: Python documentation text)")

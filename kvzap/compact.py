@@ -50,6 +50,10 @@ __all__ = ["CompactLayer", "compact_layer_like", "DEFAULT_BLOCK_SIZE"]
 #: efficient (measured on 2 CPU threads, 8.7k kept pairs: 64 slots was 2-3x faster than 16 or 32).
 DEFAULT_BLOCK_SIZE = 64
 
+# Logits held at once by a multi-token attention call (elements): query positions are processed in groups so
+# that (slots x query rows) stays below this (16M floats, 64 MB in fp32).
+_ATTEND_SCRATCH = 1 << 24
+
 # Evictions of at most this many positions per call use swap-remove; more repack the pool.
 _SWAP_REMOVE_MAX = 4
 
@@ -476,17 +480,8 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         if dropout:
             raise ValueError("kvzap's compact cache does not apply attention dropout; call model.eval() first.")
         bsz, n_q_heads, q_len, head_dim = query.shape
-        groups = n_q_heads // self._heads
-        rows = groups * q_len
-        nh, bs = self._nh, self.block_size
         scale = scaling if scaling is not None else head_dim**-0.5
-        # Fold the query heads of a group into the query axis: (B, Hq, q, d) -> (B*Hkv, G*q, d).
-        q = query.reshape(nh, rows, head_dim) * scale
-        owner, owns, routing = self._routing()
-        q_blocks = q.index_select(0, owner)  # (nb, G*q, d): each block's owner's queries
-        logits = torch.bmm(q_blocks, self._kb.transpose(1, 2)).float()  # (nb, G*q, bs)
-
-        allowed = self._valid[:, None, :]  # (nb, 1, bs)
+        am = None
         if attention_mask is not None:
             if attention_mask.shape[-1] < self.seen:
                 raise ValueError(
@@ -496,12 +491,40 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             if attention_mask.dtype != torch.bool:
                 attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
             am = attention_mask[:, 0, -q_len:, -self.seen :]  # (B or 1, q, seen)
+        # A multi-token step (question, prefill chunk) meets every stored slot: bound the (slots x rows) scratch
+        # by attending a few query positions at a time.
+        slots_x_group = self.num_blocks * self.block_size * (n_q_heads // self._heads)
+        step = max(1, _ATTEND_SCRATCH // max(1, slots_x_group))
+        outs = []
+        for t0 in range(0, q_len, step):
+            t1 = min(q_len, t0 + step)
+            q_pos = None
+            if q_len > 1:
+                q_pos = torch.arange(self.seen - q_len + t0, self.seen - q_len + t1, device=self.device)
+            outs.append(self._attend_rows(query[:, :, t0:t1], q_pos, None if am is None else am[:, t0:t1], scale))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, Hq, q, d)
+        return out.transpose(1, 2).contiguous(), None
+
+    def _attend_rows(self, query, q_pos, am, scale):
+        """:meth:`attend` for query positions ``q_pos`` (None: one token, the last) and their mask rows ``am``
+        ``(B or 1, q, seen)`` or None; returns ``(B, Hq, q, d)``."""
+        bsz, n_q_heads, q_len, head_dim = query.shape
+        groups = n_q_heads // self._heads
+        rows = groups * q_len
+        nh, bs = self._nh, self.block_size
+        # Fold the query heads of a group into the query axis: (B, Hq, q, d) -> (B*Hkv, G*q, d).
+        q = query.reshape(nh, rows, head_dim) * scale
+        owner, owns, routing = self._routing()
+        q_blocks = q.index_select(0, owner)  # (nb, G*q, d): each block's owner's queries
+        logits = torch.bmm(q_blocks, self._kb.transpose(1, 2)).float()  # (nb, G*q, bs)
+
+        allowed = self._valid[:, None, :]  # (nb, 1, bs)
+        if am is not None:
             block_row = (owner // self._heads).clamp_max(am.shape[0] - 1)  # (nb,) batch row of each block
             seen_at = am[:, :, self._pb.view(-1)].view(am.shape[0], q_len, -1, bs)  # (B', q, nb, bs)
             seen_at = seen_at[block_row, :, torch.arange(block_row.numel(), device=self.device)]  # (nb, q, bs)
             allowed = allowed & seen_at
-        elif q_len > 1:
-            q_pos = torch.arange(self.seen - q_len, self.seen, device=self.device)
+        elif q_pos is not None:
             allowed = allowed & (self._pb[:, None, :] <= q_pos[None, :, None])  # (nb, q, bs) causal
         if allowed.shape[1] > 1:  # per query position: repeat over the group, like the folded queries
             allowed = allowed.repeat(1, groups, 1)
@@ -518,8 +541,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         head_sum = routing @ block_sum  # (nh, G*q)
         head_out = (routing @ block_out.view(block_out.shape[0], -1)).view(nh, rows, -1)
         out = (head_out / head_sum[:, :, None]).to(query.dtype)  # (B*Hkv, G*q, d)
-        out = out.view(bsz, n_q_heads, q_len, -1)
-        return out.transpose(1, 2).contiguous(), None
+        return out.view(bsz, n_q_heads, q_len, -1)
 
     def snapshot(self) -> dict[str, Any]:
         """A checkpoint sharing the key/value pools; later writes into slots it sees copy the pools first."""
