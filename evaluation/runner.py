@@ -479,8 +479,23 @@ def _load_samples(config: EvalConfig, length: int | None, tokenizer: Any) -> lis
     return samples
 
 
+def _process_share() -> tuple[int, int, Any]:
+    """``(rank, world size, device)`` of this process under ``accelerate launch``/``torchrun``; ``(0, 1, None)``
+    for a single process (or without accelerate)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, None
+    from accelerate import PartialState
+
+    state = PartialState()
+    return state.process_index, state.num_processes, state.device
+
+
 def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[dict[str, Any]]:
     """Run every (press, value, length) of ``config`` and write each run's files; skip finished runs.
+
+    Launched as several processes (``accelerate launch --num_processes N -m evaluation ...``, or ``torchrun``),
+    process ``r`` of ``N`` runs ``runs[r::N]`` on its own device (unless ``config.device`` says otherwise), and
+    each run's files are written by the process that ran it; ``python -m evaluation plot`` then reads them all.
 
     Parameters
     ----------
@@ -499,6 +514,12 @@ def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None)
     runs = plan_runs(config)
     for run in runs:  # fail before loading anything if a press cannot be built (building one loads no weights)
         _make_run_press(config, run)
+    rank, world, device = _process_share()
+    if world > 1:
+        runs = runs[rank::world]
+        if config.device is None and device is not None and model is None:
+            config = dataclasses.replace(config, device=str(device))
+        logger.info("Process %d of %d: %d runs", rank, world, len(runs))
     model_name = _model_name(config, model)
     pending = [r for r in runs if not (run_dir(config, r, model_name) / "metrics.json").exists()]
     results: list[dict[str, Any]] = []

@@ -405,3 +405,18 @@ def test_chunked_prefill_runs_in_their_own_directories(finished, monkeypatch):
     assert calls and set(calls) == {64}
     recorded = json.loads((Path(again[1]["run_dir"]) / "config.json").read_text())
     assert recorded["prefill_chunk_size"] == 64
+
+
+def test_processes_share_the_runs(tmp_path, monkeypatch):
+    """Under a multi-process launch, process r of N runs runs[r::N]; together they cover the sweep once."""
+    import evaluation.runner as runner
+
+    settings = {**SETTINGS, "compression_ratios": [0.25, 0.5, 0.75]}  # 4 runs: no_press and 3 random
+    config = load_config(output_dir=str(tmp_path), **settings)
+    done = []
+    for rank in (0, 1):
+        monkeypatch.setattr(runner, "_process_share", lambda rank=rank: (rank, 2, None))
+        results = run_evaluation(config, tiny_model("llama"), char_tokenizer())
+        done.append([(r["press"], r["value"]) for r in results])
+    assert done == [[("no_press", None), ("random", 0.5)], [("random", 0.25), ("random", 0.75)]]
+    assert len(list(tmp_path.rglob("metrics.json"))) == 4
