@@ -99,6 +99,9 @@ def plot_results(results: list[dict[str, Any]], path: str | os.PathLike) -> Path
     for r in results:
         panels[_panel(r)].append(r)
     keys = sorted(panels)
+    # One color per press in every panel.
+    presses = sorted({r["press"] for r in results if r["press"] != "no_press"})
+    colors = {press: f"C{i % 10}" for i, press in enumerate(presses)}
     fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(5 * max(len(keys), 1), 4), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
         by_press: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -109,7 +112,13 @@ def plot_results(results: list[dict[str, Any]], path: str | os.PathLike) -> Path
             if press == "no_press":
                 ax.axhline(runs[0]["score"], color="black", linestyle="--", linewidth=1, label="full cache")
                 continue
-            ax.plot([r["compression_ratio"] for r in runs], [r["score"] for r in runs], marker="o", label=press)
+            ax.plot(
+                [r["compression_ratio"] for r in runs],
+                [r["score"] for r in runs],
+                marker="o",
+                label=press,
+                color=colors[press],
+            )
         ax.set_title(_panel_title(key))
         ax.set_xlabel("compression ratio (share of KV pairs evicted)")
         ax.set_ylabel("score (%)")
