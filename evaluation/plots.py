@@ -70,7 +70,7 @@ def summary_table(results: list[dict[str, Any]]) -> str:
     for r in results:
         cells = [
             str(r.get("model", "")),
-            str(r.get("dataset", "ruler_offline")),
+            _panel(r)[1],
             "-" if r.get("length") is None else str(r["length"]),
             r["press"],
             _value_label(r),

@@ -172,6 +172,11 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         owned = (torch.arange(width, device=self.device)[None, :] < n_blocks[:, None]).repeat_interleave(bs, dim=1)
         return slots, owned
 
+    def _drop_and_repack(self, slots: torch.Tensor) -> None:
+        """Forget the pairs in flat ``slots`` and repack (the repack rebuilds the slot map from the live pairs)."""
+        self._valid.view(-1)[slots] = False
+        self._repack()
+
     def _repack(self, rows: list[int] | None = None, slack: bool = True) -> None:
         """Rebuild the pool with each head's live pairs packed into its own consecutive blocks.
 
@@ -317,11 +322,9 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         new_seen = self.seen - n_crop
         slots = self._slot[:, new_seen : self.seen].long()
         stored = slots >= 0
-        self._valid.view(-1)[slots[stored]] = False
         removed_live = stored.sum(-1).view(self._bsz, self._heads)
-        self._slot[:, new_seen:] = -1
         self.seen = new_seen
-        self._repack()
+        self._drop_and_repack(slots[stored])
         # Cropped positions that had been evicted no longer count as evicted.
         self.n_evicted = self.n_evicted - (n_crop - removed_live)
 
@@ -377,9 +380,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         hit = mask.to(device=self.device, dtype=torch.bool).reshape(self._nh, n_pos) & (slots >= 0)
         self.n_evicted = self.n_evicted + hit.sum(-1).view(self._bsz, self._heads)  # out of place: snapshots share it
         if n_pos > _SWAP_REMOVE_MAX:
-            self._valid.view(-1)[slots[hit].long()] = False
-            self._slot[:, start : start + n_pos].masked_fill_(hit, -1)
-            self._repack()
+            self._drop_and_repack(slots[hit].long())
             return
         hits = hit.tolist()
         for j in range(n_pos):
