@@ -5,22 +5,28 @@ KV heads keep very different numbers of pairs (measured on SmolLM2-135M at 4k to
 100% per head; padding every head of a layer to its busiest one would store 0.49 of the full cache for 0.32
 kept), so the layout must not pad heads to a common length. It is paged, like a serving engine's KV cache:
 
-- a pool of ``num_blocks`` blocks of ``block_size`` slots: ``keys (num_blocks, block_size, d)``, ``values``,
-  ``positions (num_blocks, block_size)`` (absolute position of the pair in each slot) and ``valid``;
+- a pool of ``num_blocks`` blocks of ``block_size`` slots: ``keys (num_blocks, block_size, d)``, ``values``
+  and ``positions (num_blocks, block_size)`` (absolute position of the pair in each slot, -1 in a free slot);
 - every (batch row ``b``, KV head ``h``), index ``i = b * kv_heads + h``, owns an ordered list of blocks (its
-  row of the block table) and ``n_i`` live pairs that fill the first ``n_i`` slots of those blocks; a block
-  belongs to one head at a time (``owner``), free blocks wait in a free list;
+  row of the block table) and fills their slots in order; a block belongs to one head at a time (``owner``),
+  free blocks wait in a free list;
 - a slot map ``(heads, seen)`` gives the slot of every stored (head, position), so evicting a given position
   is O(1), never a search.
 
-Operations, all vectorised over heads (no Python loop over heads in decoding):
+The block tables, the slot map and the per-head counts live on the host (as in serving engines, which compute
+slot mappings on the CPU and ship them with each step): a decoding step's bookkeeping is a few Python
+operations, and the device sees one small index tensor per write.
 
-- **Append** writes the new pairs at local slots ``n_i ..`` of every head; a head whose last block is full
-  takes a block from the free list (the pool grows by 1/8 when it runs out: amortised O(1) per token).
-- **Evict** of a few positions (decoding: the token leaving the sliding window) moves each head's last live
-  pair into the freed slot (swap-remove), so live slots stay a prefix and a block emptied by it returns to the
-  free list for any head to reuse. Larger evictions (the prefill's) repack the pool, trimmed to the live
-  pairs plus about 3%.
+Operations (the device work of each is a few tensor operations for all heads together, never one per head):
+
+- **Append** writes each head's new pairs into its holes first (see below), then into its next fresh slots;
+  a head whose last block is full takes a block from the free list (the pool grows by 1/8 when it runs out:
+  amortised O(1) per token).
+- **Evict** of a few positions (decoding: the token leaving the sliding window) marks the slot free
+  (position -1) and hands it to its head's list of holes: the head's next append writes there. No pair moves;
+  in decoding (one pair in, at most one out per head and step) a head never holds more than a hole or two.
+  Larger evictions (the prefill's), or holes piling up (more than a block, and more than 1/32 of the live
+  pairs), repack the pool, trimmed to the live pairs plus about 3%.
 - **Attention** reads the blocks as a batch: one batched matmul of each block's keys with the queries of its
   owner head, a softmax split over blocks and merged per head with a max and a sum reduction (the split-K
   scheme of flash decoding), one batched matmul with the values. Causal masks of multi-token steps come from
@@ -37,6 +43,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -54,8 +61,8 @@ DEFAULT_BLOCK_SIZE = 64
 # that (slots x query rows) stays below this (16M floats, 64 MB in fp32).
 _ATTEND_SCRATCH = 1 << 24
 
-# Evictions of at most this many positions per call use swap-remove; more repack the pool.
-_SWAP_REMOVE_MAX = 4
+# Evictions of at most this many positions per call leave holes (reused by the next appends); more repack the pool.
+_HOLES_MAX = 4
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -89,14 +96,15 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._heads = 0
         self._nh = 0  # batch rows x KV heads
         self._kb = self._vb = None  # (num_blocks, block_size, d) pools
-        self._pb = None  # (num_blocks, block_size) long: absolute positions (0 in free slots)
-        self._valid = None  # (num_blocks, block_size) bool: slot holds a live pair
+        self._pb = None  # (num_blocks, block_size) long: absolute position of each slot's pair, -1 if free
         self._owner = None  # (num_blocks,) long: owning head, or _nh for a free block
         self._routing_cache = None  # see _routing
-        self._table = None  # (nh, max_blocks) long: block ids of each head in order (0 past its blocks)
-        self._slot = None  # (nh, positions capacity) int32: flat slot of (head, position), -1 if not stored
-        self._n: list[int] = []  # live pairs per head (host-side: slots are computed on the host)
-        self._blocks: list[list[int]] = []  # host copy of the block table rows
+        # Host-side bookkeeping (a decoding step's slots are computed here, not on the device):
+        self._slot = np.full((0, 0), -1, dtype=np.int32)  # (nh, positions capacity): flat slot, -1 if not stored
+        self._n: list[int] = []  # live pairs per head
+        self._end: list[int] = []  # slots used per head (live pairs and holes): its next fresh local slot
+        self._holes: list[list[int]] = []  # per head, flat slots freed by evictions, reused first
+        self._blocks: list[list[int]] = []  # the block table: each head's block ids in order
         self._free: list[int] = []  # free block ids
         self._first_forward = True  # the new pairs of the first update are the whole cache
         # id(key pool) -> (weak reference to it, slots a snapshot still sees); not part of snapshots.
@@ -112,8 +120,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         bs, dev = self.block_size, self.device
         self._kb = self.keys.new_zeros(num_blocks, bs, self.keys.shape[-1])
         self._vb = self.values.new_zeros(num_blocks, bs, self.values.shape[-1])
-        self._pb = torch.zeros(num_blocks, bs, dtype=torch.long, device=dev)
-        self._valid = torch.zeros(num_blocks, bs, dtype=torch.bool, device=dev)
+        self._pb = torch.full((num_blocks, bs), -1, dtype=torch.long, device=dev)
         self._owner = torch.full((num_blocks,), self._nh, dtype=torch.long, device=dev)
         self._routing_cache = None
 
@@ -127,22 +134,30 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         bs = self.block_size
         self._kb = torch.cat([self._kb, self._kb.new_zeros(extra, bs, self._kb.shape[-1])])
         self._vb = torch.cat([self._vb, self._vb.new_zeros(extra, bs, self._vb.shape[-1])])
-        self._pb = torch.cat([self._pb, self._pb.new_zeros(extra, bs)])
-        self._valid = torch.cat([self._valid, self._valid.new_zeros(extra, bs)])
+        self._pb = torch.cat([self._pb, self._pb.new_full((extra, bs), -1)])
         self._owner = torch.cat([self._owner, self._owner.new_full((extra,), self._nh)])
         self._routing_cache = None
         self._free[:0] = range(old, old + extra)  # blocks are taken from the end: recently freed ones first
 
-    def _ensure_table_width(self, width: int) -> None:
-        if self._table.shape[1] < width:
-            pad = self._table.new_zeros(self._nh, max(width, self._table.shape[1] * 9 // 8 + 4) - self._table.shape[1])
-            self._table = torch.cat([self._table, pad], dim=1)
-
     def _ensure_slot_width(self, width: int) -> None:
         if self._slot.shape[1] < width:
             new_width = max(width, self._slot.shape[1] * 9 // 8 + 64)
-            pad = self._slot.new_full((self._nh, new_width - self._slot.shape[1]), -1)
-            self._slot = torch.cat([self._slot, pad], dim=1)
+            pad = np.full((self._nh, new_width - self._slot.shape[1]), -1, dtype=np.int32)
+            self._slot = np.concatenate([self._slot, pad], axis=1)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)
+
+    def _take_blocks(self, heads: list[int]) -> None:
+        """Append one block from the free list to each head of ``heads`` (repeats allowed)."""
+        self._grow_pool(len(heads))
+        ids = [self._free.pop() for _ in heads]
+        for i, block in zip(heads, ids, strict=True):
+            self._blocks[i].append(block)
+        self._owner[torch.tensor(ids, dtype=torch.long, device=self.device)] = torch.tensor(
+            heads, dtype=torch.long, device=self.device
+        )
+        self._routing_cache = None
 
     def _writable(self, slots: torch.Tensor) -> None:
         """Copy the key/value pools before writing at flat ``slots`` if a snapshot still sees one of them."""
@@ -153,28 +168,31 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             self._kb, self._vb = self._kb.clone(), self._vb.clone()
 
     def _routing(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per block, the head whose queries it meets ``(nb,)`` (free blocks: any head, their slots are masked),
-        and the ``(heads, blocks)`` ownership matrix, as bool and float32. Cached until the owners change (a
-        block taken or freed)."""
+        """Per block, the head whose queries it meets ``(nb,)`` (free blocks: any head, their slots are masked);
+        the ``(heads, blocks, 1)`` ownership matrix as an additive mask (0 or -inf); and the ``(heads, blocks)``
+        ownership matrix in float32. Cached until the owners change (a block taken or freed)."""
         if self._routing_cache is None:
             heads = torch.arange(self._nh, device=self.device)
             owns = self._owner[None, :] == heads[:, None]
-            self._routing_cache = (self._owner.clamp_max(self._nh - 1), owns, owns.float())
+            bias = torch.zeros(owns.shape, device=self.device).masked_fill_(~owns, float("-inf"))[:, :, None]
+            self._routing_cache = (self._owner.clamp_max(self._nh - 1), bias, owns.float())
         return self._routing_cache
 
     def _head_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(nh, max_blocks * block_size)`` flat slots of each head's blocks, and whether each is one of them."""
         bs = self.block_size
         width = max((len(b) for b in self._blocks), default=0)
-        n_blocks = torch.tensor([len(b) for b in self._blocks], dtype=torch.long, device=self.device)
-        table = self._table[:, :width]
-        slots = (table[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(self._nh, width * bs)
-        owned = (torch.arange(width, device=self.device)[None, :] < n_blocks[:, None]).repeat_interleave(bs, dim=1)
-        return slots, owned
+        table = np.zeros((self._nh, width), dtype=np.int64)
+        for i, blocks in enumerate(self._blocks):
+            table[i, : len(blocks)] = blocks
+        slots = (table[:, :, None] * bs + np.arange(bs)).reshape(self._nh, width * bs)
+        n_blocks = np.array([len(b) for b in self._blocks], dtype=np.int64)
+        owned = np.repeat(np.arange(width)[None, :] < n_blocks[:, None], bs, axis=1)
+        return self._to_device(slots), self._to_device(owned)
 
     def _drop_and_repack(self, slots: torch.Tensor) -> None:
         """Forget the pairs in flat ``slots`` and repack (the repack rebuilds the slot map from the live pairs)."""
-        self._valid.view(-1)[slots] = False
+        self._pb.view(-1)[slots] = -1
         self._repack()
 
     def _repack(self, rows: list[int] | None = None, slack: bool = True) -> None:
@@ -187,7 +205,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         """
         bs, dev = self.block_size, self.device
         slots, owned = self._head_slots()
-        live = owned & self._valid.view(-1)[slots]  # (nh, width)
+        live = owned & (self._pb.view(-1)[slots] >= 0)  # (nh, width)
         if rows is not None:
             index = torch.tensor(rows, dtype=torch.long, device=dev)
             slots, live = slots.index_select(0, index), live.index_select(0, index)
@@ -211,7 +229,6 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._kb.view(-1, self._kb.shape[-1])[dst] = keys[src]
         self._vb.view(-1, self._vb.shape[-1])[dst] = values[src]
         self._pb.view(-1)[dst] = src_pos
-        self._valid.view(-1)[dst] = True
         self._owner[:used] = torch.repeat_interleave(
             torch.arange(new_nh, device=dev), torch.tensor(n_blocks, dtype=torch.long, device=dev)
         )
@@ -220,14 +237,9 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             starts.append(starts[-1] + c)
         self._blocks = [list(range(starts[i], starts[i + 1])) for i in range(new_nh)]
         self._free = list(range(used, used + spare))
-        width = max(n_blocks, default=0) + 4
-        self._table = torch.zeros(new_nh, width, dtype=torch.long, device=dev)
-        for i, blocks in enumerate(self._blocks):
-            if blocks:
-                self._table[i, : len(blocks)] = torch.arange(blocks[0], blocks[-1] + 1, device=dev)
-        self._slot = torch.full((new_nh, max(self.seen, 1) + 64), -1, dtype=torch.int32, device=dev)
-        self._slot[head, src_pos] = dst.to(torch.int32)
-        self._n = n
+        self._slot = np.full((new_nh, max(self.seen, 1) + 64), -1, dtype=np.int32)
+        self._slot[head.cpu().numpy(), src_pos.cpu().numpy()] = dst.cpu().numpy()
+        self._n, self._end, self._holes = n, list(n), [[] for _ in range(new_nh)]
 
     # --- transformers cache layer ------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -239,52 +251,73 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self.values = value_states.new_empty(bsz, n_heads, 0, value_states.shape[-1])
         self._bsz, self._heads, self._nh = bsz, n_heads, bsz * n_heads
         self._new_pool(0)
-        self._table = torch.zeros(self._nh, 4, dtype=torch.long, device=self.device)
-        self._slot = torch.full((self._nh, 64), -1, dtype=torch.int32, device=self.device)
-        self._n = [0] * self._nh
+        self._slot = np.full((self._nh, 64), -1, dtype=np.int32)
+        self._n, self._end = [0] * self._nh, [0] * self._nh
+        self._holes = [[] for _ in range(self._nh)]
         self._blocks = [[] for _ in range(self._nh)]
         self._free = []
         self.n_evicted = torch.zeros(bsz, n_heads, dtype=torch.long, device=self.device)
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        q_len = key_states.shape[2]
-        bs, dev = self.block_size, self.device
-        # New blocks for the heads whose last block fills up (host-side bookkeeping, few device writes).
-        wanted = [_ceil_div(n + q_len, bs) - len(blocks) for n, blocks in zip(self._n, self._blocks, strict=True)]
-        total = sum(w for w in wanted if w > 0)
-        if total:
-            self._grow_pool(total)
-            self._ensure_table_width(max(len(b) + w for b, w in zip(self._blocks, wanted, strict=True)))
-            heads, cols, ids = [], [], []
-            for i, w in enumerate(wanted):
-                for _ in range(w):
-                    block = self._free.pop()
-                    heads.append(i), cols.append(len(self._blocks[i])), ids.append(block)
-                    self._blocks[i].append(block)
-            ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
-            self._table[torch.tensor(heads, device=dev), torch.tensor(cols, device=dev)] = ids_t
-            self._owner[ids_t] = torch.tensor(heads, dtype=torch.long, device=dev)
-            self._routing_cache = None
-        self._ensure_slot_width(self.seen + q_len)
-        if q_len == 1:  # decoding: each head's next slot, from the host-side block lists (one small tensor)
-            slots = torch.tensor(
-                [blocks[n // bs] * bs + n % bs for n, blocks in zip(self._n, self._blocks, strict=True)], device=dev
-            )
-        else:
-            local = torch.tensor(self._n, device=dev)[:, None] + torch.arange(q_len, device=dev)  # (nh, q)
-            slots = (self._table.gather(1, local // bs) * bs + local % bs).view(-1)
-        self._writable(slots)
-        d_k, d_v = self._kb.shape[-1], self._vb.shape[-1]
-        self._kb.view(-1, d_k).index_copy_(0, slots, key_states.reshape(-1, d_k))
-        self._vb.view(-1, d_v).index_copy_(0, slots, value_states.reshape(-1, d_v))
+        q_len, dev = key_states.shape[2], self.device
         if q_len == 1:
-            self._pb.view(-1).index_fill_(0, slots, self.seen)
+            slots = self._next_slots()
+            slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        else:
+            slots = self._next_slots_multi(q_len)  # (nh, q) numpy
+            slots_t = self._to_device(slots.reshape(-1))
+        self._writable(slots_t)
+        d_k, d_v = self._kb.shape[-1], self._vb.shape[-1]
+        self._kb.view(-1, d_k).index_copy_(0, slots_t, key_states.reshape(-1, d_k))
+        self._vb.view(-1, d_v).index_copy_(0, slots_t, value_states.reshape(-1, d_v))
+        if q_len == 1:
+            self._pb.view(-1).index_fill_(0, slots_t, self.seen)
         else:
             positions = torch.arange(self.seen, self.seen + q_len, device=dev)
-            self._pb.view(-1).index_copy_(0, slots, positions.repeat(self._nh))
-        self._valid.view(-1).index_fill_(0, slots, True)
-        self._slot[:, self.seen : self.seen + q_len] = slots.view(self._nh, q_len)
-        self._n = [n + q_len for n in self._n]
+            self._pb.view(-1).index_copy_(0, slots_t, positions.repeat(self._nh))
+        self._ensure_slot_width(self.seen + q_len)
+        self._slot[:, self.seen : self.seen + q_len] = np.asarray(slots, dtype=np.int32).reshape(self._nh, q_len)
+
+    def _next_slots(self) -> list[int]:
+        """One new slot per head (a decoding step): its latest hole, else its next fresh slot (host arithmetic)."""
+        bs = self.block_size
+        full = [i for i in range(self._nh) if not self._holes[i] and self._end[i] == len(self._blocks[i]) * bs]
+        if full:
+            self._take_blocks(full)
+        slots = []
+        for i in range(self._nh):
+            holes = self._holes[i]
+            if holes:
+                slots.append(holes.pop())
+            else:
+                end = self._end[i]
+                slots.append(self._blocks[i][end // bs] * bs + end % bs)
+                self._end[i] = end + 1
+            self._n[i] += 1
+        return slots
+
+    def _next_slots_multi(self, q_len: int) -> np.ndarray:
+        """``(nh, q_len)`` new slots: each head's holes first, then fresh slots after its last used one."""
+        bs = self.block_size
+        from_holes = [min(q_len, len(h)) for h in self._holes]
+        fresh = [q_len - k for k in from_holes]
+        wanted = [
+            _ceil_div(end + m, bs) - len(blocks) for end, m, blocks in zip(self._end, fresh, self._blocks, strict=True)
+        ]
+        needing = [i for i, w in enumerate(wanted) for _ in range(max(w, 0))]
+        if needing:
+            self._take_blocks(needing)
+        slots = np.empty((self._nh, q_len), dtype=np.int64)
+        for i in range(self._nh):
+            k, end = from_holes[i], self._end[i]
+            if k:
+                slots[i, :k] = self._holes[i][-k:]
+                del self._holes[i][-k:]
+            local = np.arange(end, end + fresh[i])
+            slots[i, k:] = np.asarray(self._blocks[i], dtype=np.int64)[local // bs] * bs + local % bs
+            self._end[i] = end + fresh[i]
+            self._n[i] += q_len
+        return slots
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new pairs ``(B, H, q, d)`` and return them.
@@ -320,11 +353,11 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         if n_crop == 0:
             return
         new_seen = self.seen - n_crop
-        slots = self._slot[:, new_seen : self.seen].long()
+        slots = self._slot[:, new_seen : self.seen]
         stored = slots >= 0
-        removed_live = stored.sum(-1).view(self._bsz, self._heads)
+        removed_live = self._to_device(stored.sum(-1)).view(self._bsz, self._heads)
         self.seen = new_seen
-        self._drop_and_repack(slots[stored])
+        self._drop_and_repack(self._to_device(slots[stored].astype(np.int64)))
         # Cropped positions that had been evicted no longer count as evicted.
         self.n_evicted = self.n_evicted - (n_crop - removed_live)
 
@@ -376,56 +409,38 @@ class CompactLayer(PrunableLayer, DynamicLayer):
                 f"evict covers positions {start}..{start + n_pos - 1}, but this layer has seen positions "
                 f"0..{self.seen - 1} only."
             )
-        slots = self._slot[:, start : start + n_pos]  # (nh, n) int32
-        hit = mask.to(device=self.device, dtype=torch.bool).reshape(self._nh, n_pos) & (slots >= 0)
-        self.n_evicted = self.n_evicted + hit.sum(-1).view(self._bsz, self._heads)  # out of place: snapshots share it
-        if n_pos > _SWAP_REMOVE_MAX:
-            self._drop_and_repack(slots[hit].long())
+        if n_pos > _HOLES_MAX:
+            wanted = mask.to(dtype=torch.bool).reshape(self._nh, n_pos).cpu().numpy()
+            slots = self._slot[:, start : start + n_pos]  # (nh, n)
+            hit = wanted & (slots >= 0)
+            if hit.any():
+                self._count_evicted(hit.sum(-1).tolist())
+                self._drop_and_repack(self._to_device(slots[hit].astype(np.int64)))
             return
-        hits = hit.tolist()
-        for j in range(n_pos):
-            heads = [i for i in range(self._nh) if hits[i][j]]
-            if heads:
-                self._swap_remove(start + j, heads)
+        # A few positions (decoding): host-side loop, one device write.
+        wanted = mask.reshape(self._nh, n_pos).tolist()
+        counts, freed = [0] * self._nh, []
+        for i, row in enumerate(wanted):
+            for j, evict in enumerate(row):
+                slot = int(self._slot[i, start + j]) if evict else -1
+                if slot >= 0:
+                    self._slot[i, start + j] = -1
+                    self._holes[i].append(slot)
+                    self._n[i] -= 1
+                    counts[i] += 1
+                    freed.append(slot)
+        if not freed:
+            return
+        self._count_evicted(counts)
+        self._pb.view(-1).index_fill_(0, torch.tensor(freed, dtype=torch.long, device=self.device), -1)
+        # Decoding refills holes at once (one pair in per head and step); if they pile up, pack the pool.
+        if sum(map(len, self._holes)) > max(self.block_size, sum(self._n) // 32):
+            self._repack()
 
-    def _swap_remove(self, position: int, heads: list[int]) -> None:
-        """Evict ``position`` from ``heads`` (each stores it): each moves its last live pair into the freed slot.
-
-        Live slots stay a prefix of each head's blocks; a block emptied this way returns to the free list. The
-        slots involved are computed on the host (it knows every head's count and blocks): a dozen tensor
-        operations for all heads together.
-        """
-        bs, dev = self.block_size, self.device
-        heads_t = torch.tensor(heads, device=dev)
-        dst = self._slot[heads_t, position].long()
-        src_list = []
-        for i in heads:
-            last = self._n[i] - 1
-            src_list.append(self._blocks[i][last // bs] * bs + last % bs)
-            self._n[i] = last
-        src = torch.tensor(src_list, device=dev)
-        self._writable(dst)
-        d_k, d_v = self._kb.shape[-1], self._vb.shape[-1]
-        keys, values, positions = self._kb.view(-1, d_k), self._vb.view(-1, d_v), self._pb.view(-1)
-        keys.index_copy_(0, dst, keys.index_select(0, src))
-        values.index_copy_(0, dst, values.index_select(0, src))
-        moved = positions.index_select(0, src)
-        positions.index_copy_(0, dst, moved)
-        # The last slot is free now (its pair moved to dst, or it was the evicted pair itself).
-        self._valid.view(-1).index_fill_(0, src, False)
-        # The moved pair now lives at dst; then the evicted position is gone (also when it was the last pair).
-        self._slot[heads_t, moved] = dst.to(torch.int32)
-        self._slot[heads_t, position] = -1
-        freed = []
-        for i in heads:
-            keep_blocks = _ceil_div(self._n[i], bs)
-            if keep_blocks < len(self._blocks[i]):
-                freed.extend(self._blocks[i][keep_blocks:])
-                del self._blocks[i][keep_blocks:]
-        if freed:
-            self._free.extend(freed)
-            self._owner[torch.tensor(freed, dtype=torch.long, device=dev)] = self._nh
-            self._routing_cache = None
+    def _count_evicted(self, counts: list[int]) -> None:
+        # Out of place: snapshots share n_evicted.
+        delta = torch.tensor(counts, dtype=torch.long, device=self.n_evicted.device)
+        self.n_evicted = self.n_evicted + delta.view(self._bsz, self._heads)
 
     def kept_counts(self) -> torch.Tensor:
         """``(B, H)`` pairs physically stored (here: exactly the kept pairs)."""
@@ -433,15 +448,14 @@ class CompactLayer(PrunableLayer, DynamicLayer):
 
     def keep_mask(self) -> torch.Tensor:
         """``(B, H, seen)`` True at the positions whose pair is stored."""
-        return (self._slot[:, : self.seen] >= 0).view(self._bsz, self._heads, self.seen)
+        return self._to_device(self._slot[:, : self.seen] >= 0).view(self._bsz, self._heads, self.seen)
 
     def stored_pairs(self, batch: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys ``(n, d)``, values ``(n, d)`` and positions ``(n,)`` stored for one (batch row, KV head), in slot
         order (not position order)."""
-        i = batch * self._heads + head
-        n = self._n[i]
-        blocks = torch.tensor(self._blocks[i], dtype=torch.long, device=self.device)
-        flat = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).view(-1)[:n]
+        blocks = torch.tensor(self._blocks[batch * self._heads + head], dtype=torch.long, device=self.device)
+        flat = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).view(-1)
+        flat = flat[self._pb.view(-1)[flat] >= 0]
         return (
             self._kb.view(-1, self._kb.shape[-1])[flat],
             self._vb.view(-1, self._vb.shape[-1])[flat],
@@ -454,11 +468,12 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         return torch.tensor(held, dtype=torch.long).view(self._bsz, self._heads)
 
     def physical_bytes(self) -> int:
-        """Bytes allocated by this layer: the block pool (free blocks included) and its bookkeeping tensors."""
+        """Bytes allocated by this layer: the block pool (free blocks included), its bookkeeping tensors and the
+        host-side slot map."""
         if not self.is_initialized:
             return 0
-        tensors = (self._kb, self._vb, self._pb, self._valid, self._owner, self._table, self._slot)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = (self._kb, self._vb, self._pb, self._owner)
+        return sum(t.numel() * t.element_size() for t in tensors) + self._slot.nbytes
 
     def _pair_bytes(self) -> int:
         return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
@@ -515,27 +530,31 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         nh, bs = self._nh, self.block_size
         # Fold the query heads of a group into the query axis: (B, Hq, q, d) -> (B*Hkv, G*q, d).
         q = query.reshape(nh, rows, head_dim) * scale
-        owner, owns, routing = self._routing()
+        owner, owns_bias, routing = self._routing()
         q_blocks = q.index_select(0, owner)  # (nb, G*q, d): each block's owner's queries
         logits = torch.bmm(q_blocks, self._kb.transpose(1, 2)).float()  # (nb, G*q, bs)
 
-        allowed = self._valid[:, None, :]  # (nb, 1, bs)
-        if am is not None:
-            block_row = (owner // self._heads).clamp_max(am.shape[0] - 1)  # (nb,) batch row of each block
-            seen_at = am[:, :, self._pb.view(-1)].view(am.shape[0], q_len, -1, bs)  # (B', q, nb, bs)
-            seen_at = seen_at[block_row, :, torch.arange(block_row.numel(), device=self.device)]  # (nb, q, bs)
-            allowed = allowed & seen_at
-        elif q_pos is not None:
-            allowed = allowed & (self._pb[:, None, :] <= q_pos[None, :, None])  # (nb, q, bs) causal
-        if allowed.shape[1] > 1:  # per query position: repeat over the group, like the folded queries
-            allowed = allowed.repeat(1, groups, 1)
-        logits = logits.masked_fill_(~allowed, float("-inf"))
+        if am is None and q_pos is None:  # one token: it sees every live slot
+            logits = logits.masked_fill_(self._pb[:, None, :] < 0, float("-inf"))
+        else:
+            allowed = self._pb[:, None, :] >= 0  # (nb, 1, bs): live slots
+            if am is not None:
+                block_row = (owner // self._heads).clamp_max(am.shape[0] - 1)  # (nb,) batch row of each block
+                seen_at = am[:, :, self._pb.view(-1)].view(am.shape[0], q_len, -1, bs)  # (B', q, nb, bs)
+                seen_at = seen_at[block_row, :, torch.arange(block_row.numel(), device=self.device)]  # (nb, q, bs)
+                allowed = allowed & seen_at
+            else:
+                allowed = allowed & (self._pb[:, None, :] <= q_pos[None, :, None])  # (nb, q, bs) causal
+            if allowed.shape[1] > 1:  # per query position: repeat over the group, like the folded queries
+                allowed = allowed.repeat(1, groups, 1)
+            logits = logits.masked_fill_(~allowed, float("-inf"))
 
         # Softmax split over blocks, merged per head (flash-decoding style): exact, no loop over heads. The merges
         # are reductions over a head's blocks, written with the (heads, blocks) routing matrix.
         block_max = logits.amax(-1)  # (nb, G*q)
-        head_max = torch.where(owns[:, :, None], block_max[None], float("-inf")).amax(1)  # (nh, G*q)
-        head_max = torch.nan_to_num(head_max, neginf=0.0)  # (a row that sees nothing would give NaN)
+        head_max = (block_max[None] + owns_bias).amax(1)  # (nh, G*q)
+        if q_pos is not None or am is not None:  # (one token: every head sees its own new pair)
+            head_max = torch.nan_to_num(head_max, neginf=0.0)  # a row that sees nothing would give NaN
         weights = torch.exp(logits - head_max.index_select(0, owner)[:, :, None])  # (nb, G*q, bs)
         block_sum = weights.sum(-1)  # (nb, G*q)
         block_out = torch.bmm(weights.to(self._vb.dtype), self._vb).float()  # (nb, G*q, d)
@@ -549,18 +568,21 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._protected = {key: entry for key, entry in self._protected.items() if entry[0]() is not None}
         if self._kb is not None:
             entry = self._protected.get(id(self._kb))
-            seen = self._valid.clone() if entry is None or entry[0]() is not self._kb else entry[1] | self._valid
+            live = self._pb >= 0
+            seen = live if entry is None or entry[0]() is not self._kb else entry[1] | live
             self._protected[id(self._kb)] = (weakref.ref(self._kb), seen)
         return self._state_copy(self.__dict__)
 
     @staticmethod
     def _state_copy(source: dict[str, Any]) -> dict[str, Any]:
         state = {name: value for name, value in source.items() if name != "_protected"}
-        for name in ("_pb", "_valid", "_owner", "_table", "_slot"):
+        for name in ("_pb", "_owner"):
             if state.get(name) is not None:
                 state[name] = state[name].clone()
+        state["_slot"] = state["_slot"].copy()
         state["_routing_cache"] = None
-        state["_n"] = list(state["_n"])
+        state["_n"], state["_end"] = list(state["_n"]), list(state["_end"])
+        state["_holes"] = [list(h) for h in state["_holes"]]
         state["_blocks"] = [list(b) for b in state["_blocks"]]
         state["_free"] = list(state["_free"])
         state["press_state"] = dict(state["press_state"])

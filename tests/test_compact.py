@@ -99,10 +99,10 @@ def test_physical_bytes_follow_kept_pairs():
     kept, cap = layer.kept_counts(), layer.capacities()
     # Each head holds whole blocks, only its last one partly filled.
     assert bool((cap >= kept).all()) and bool((cap - kept < bs).all())
-    # The pool: the heads' blocks plus a few free ones; per slot a key, a value, a position and a valid flag.
+    # The pool: the heads' blocks plus a few free ones; per slot a key, a value and a position (-1: free).
     assert layer.num_blocks * bs >= int(cap.sum()) and layer.num_blocks <= int(cap.sum()) // bs * 33 // 32 + 4
-    pool = layer.num_blocks * bs * (pair_bytes + 8 + 1)
-    slot_map = layer._slot.numel() * 4
+    pool = layer.num_blocks * bs * (pair_bytes + 8)
+    slot_map = layer._slot.nbytes  # host-side, int32
     assert pool + slot_map < layer.physical_bytes() < pool + slot_map + 4096
     assert layer.physical_bytes() < 0.6 * layer.full_bytes()  # ~70% pruned
 
@@ -126,20 +126,36 @@ def test_freed_slots_are_reused_during_decoding():
     assert sorted(layer.stored_pairs(0, 0)[2].tolist()) == [36, 37, 38, 39]
 
 
-def test_blocks_emptied_by_evictions_return_to_the_free_list():
+def test_evicted_slots_are_reused_by_the_next_append_without_moving_pairs():
     layer = CompactLayer(block_size=4)
-    layer.update(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8))  # 3 blocks per head
-    assert layer.capacities().tolist() == [[12, 12]]
-    free_before = len(layer._free)
-    for position in (9, 8):  # two single-position evictions on head 0: 10 -> 8 pairs, its last block empties
+    keys = torch.randn(1, 2, 10, 8)
+    layer.update(keys, -keys)  # 3 blocks per head, 10 of 12 slots used
+    slot = int(layer._slot[0, 3])
+    before = layer._kb.clone()
+    layer.evict(3, torch.tensor([[[True], [False]]]))
+    assert layer.kept_counts().tolist() == [[9, 10]] and layer.capacities().tolist() == [[12, 12]]
+    assert torch.equal(layer._kb, before)  # nothing moved: the slot is only marked free
+    new = torch.randn(1, 2, 1, 8)
+    layer.update(new, -new)
+    assert int(layer._slot[0, 10]) == slot  # head 0's new pair fills the hole
+    assert torch.equal(layer._kb.view(-1, 8)[slot], new[0, 0, 0])
+    assert layer.kept_counts().tolist() == [[10, 11]] and layer.capacities().tolist() == [[12, 12]]
+    assert sorted(layer.stored_pairs(0, 0)[2].tolist()) == [0, 1, 2, 4, 5, 6, 7, 8, 9, 10]
+    # A multi-token step uses the holes first, then fresh slots (and blocks).
+    layer.evict(5, torch.tensor([[[True], [True]]]))
+    layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+    assert layer.kept_counts().tolist() == [[12, 13]] and layer.capacities().tolist() == [[12, 16]]
+    assert sorted(layer.stored_pairs(0, 1)[2].tolist()) == [p for p in range(14) if p != 5]
+
+
+def test_holes_that_pile_up_are_packed_away():
+    layer = CompactLayer(block_size=4)
+    layer.update(torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8))
+    for position in range(5):  # 5 holes in head 0, none refilled: more than a block, so the pool is repacked
         layer.evict(position, torch.tensor([[[True], [False]]]))
-    assert layer.kept_counts().tolist() == [[8, 10]] and layer.capacities().tolist() == [[8, 12]]
-    assert len(layer._free) == free_before + 1
-    freed = layer._free[-1]
-    layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))  # both heads need one more block
-    assert layer.capacities().tolist() == [[12, 16]]
-    assert freed in layer._blocks[0] + layer._blocks[1]  # the freed block is reused
-    assert sorted(layer.stored_pairs(0, 0)[2].tolist()) == list(range(8)) + [10, 11, 12]
+    assert layer.kept_counts().tolist() == [[35, 40]] and layer.capacities().tolist() == [[36, 40]]
+    assert all(not holes for holes in layer._holes)
+    assert sorted(layer.stored_pairs(0, 0)[2].tolist()) == list(range(5, 40))
 
 
 def _filled(bsz=2, heads=2, length=10, d=4):
