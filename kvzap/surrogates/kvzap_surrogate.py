@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torch.nn import functional as F
 
 from kvzap.surrogates.checkpoint import (
     load_state_dict_strict,
@@ -136,9 +137,14 @@ class KVzapSurrogate(nn.Module):
             raise IndexError(f"layer_idx must be in [0, {self.n_modules}) for this surrogate, got {layer_idx}.")
         self._check_last_dim(hidden_states)
         module = self.layers[layer_idx]
-        weight = module.weight if isinstance(module, nn.Linear) else module[0].weight
+        # The functional form of the module's layers (same parameters, same ops): this runs once per layer and
+        # decoded token, where each nested module call would cost about as much as its matmul.
+        if isinstance(module, nn.Linear):
+            return F.linear(hidden_states.to(module.weight.dtype), module.weight, module.bias)  # (..., H)
+        first, last = module[0], module[2]
         # The model may run in bf16 while the surrogate is fp32: cast the (small) input, not the weights.
-        return module(hidden_states.to(weight.dtype))  # (..., H)
+        hidden = F.gelu(F.linear(hidden_states.to(first.weight.dtype), first.weight, first.bias))
+        return F.linear(hidden, last.weight, last.bias)  # (..., H)
 
     def forward_all(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Predict the scores of every layer at once (the layout of the published ``KVzapModel``).
