@@ -5,7 +5,8 @@ scored as it enters the cache; the most recent ``sliding_window_size`` tokens ar
 leaves that window its pair is evicted if its score is strictly below ``threshold``, and the decision is never
 revisited. In prefill the whole prompt is scored at once and evicted after that forward's attention (dense
 prefill); with ``decoding=True`` the scores of generated (and question) tokens wait in a buffer until they
-leave the window.
+leave the window. Generated tokens are scored in batches of up to 16 (the scorer is a per-pair function, so this
+changes no score, only the number of calls): a batch is always scored before its first token leaves the window.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from kvzap.cache import PrunableLayer
 from kvzap.presses.base import BasePress, Scorer
 
 __all__ = ["DMSThresholdPress"]
+
+#: Decoded tokens scored per scorer call (at most; fewer when a token must leave the window before).
+_DECODE_SCORE_BATCH = 16
 
 
 @dataclass
@@ -93,21 +97,43 @@ class DMSThresholdPress(BasePress):
         if not (prefill or self.decoding):
             return False  # decoding-time pruning is off: the window tokens of the prefill stay kept
         q_len = hidden_states.shape[1]
-        scores = self.scorer.score_new_pairs(module, layer, hidden_states)  # (B, H, q)
-
         state = layer.press_state
+        # pending: scores (B, H, p) of the tokens from pending_start on, still inside the window; unscored: the
+        # (hidden states, keys, values) of the tokens after them, not scored yet (a tuple: snapshots share it).
         pending, start = state.get("pending"), state.get("pending_start")
-        if pending is None or start + pending.shape[-1] != layer.seen - q_len:
+        unscored = state.get("unscored", ())
+        n_pending = 0 if pending is None else pending.shape[-1]
+        n_unscored = sum(h.shape[1] for h, _, _ in unscored)
+        if pending is None or start + n_pending + n_unscored != layer.seen - q_len:
             # A new sequence (its layer state is empty), or tokens went by unscored (decoding was off): those
             # stay kept, and the buffer restarts with this forward's tokens.
-            pending, start = scores, layer.seen - q_len
-        else:
-            pending = torch.cat([pending, scores], dim=-1)  # (B, H, p + q)
+            pending, start, unscored, n_pending, n_unscored = None, layer.seen - q_len, (), 0, 0
+        unscored += ((hidden_states, layer.last_keys, layer.last_values),)
+        n_unscored += q_len
 
-        n_leaving = pending.shape[-1] - self.sliding_window_size
+        n_leaving = n_pending + n_unscored - self.sliding_window_size
+        if prefill or n_unscored >= _DECODE_SCORE_BATCH or n_leaving > n_pending:
+            # Decoded tokens are scored in batches (one scorer call for up to _DECODE_SCORE_BATCH of them, the
+            # fixed cost of a call dominates a single token's); a token's score is needed only when it leaves the
+            # window, and a batch is scored before that.
+            scores = self._score(module, unscored, first=start + n_pending)
+            pending = scores if pending is None else torch.cat([pending, scores], dim=-1)  # (B, H, p + q)
+            unscored, n_pending = (), pending.shape[-1]
+
         if n_leaving > 0:
             # These tokens leave the window now: decide their fate once and for all.
             layer.evict(start, pending[..., :n_leaving] < self.threshold)
             pending, start = pending[..., n_leaving:], start + n_leaving
-        state["pending"], state["pending_start"] = pending, start
+        state["pending"], state["pending_start"], state["unscored"] = pending, start, unscored
         return True
+
+    def _score(self, module: nn.Module, unscored: tuple, first: int) -> torch.Tensor:
+        """Scores ``(B, H, q)`` of the buffered new pairs, at absolute positions ``first ..``."""
+        if len(unscored) == 1:
+            hidden, keys, values = unscored[0]
+        else:
+            hidden = torch.cat([h for h, _, _ in unscored], dim=1)  # (B, q, D)
+            keys = torch.cat([k for _, k, _ in unscored], dim=2)  # (B, H, q, d)
+            values = torch.cat([v for _, _, v in unscored], dim=2)
+        positions = torch.arange(first, first + hidden.shape[1], device=hidden.device)
+        return self.scorer.score(module, hidden, keys, values, positions)

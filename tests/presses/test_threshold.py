@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from kvzap import DMSPress, DMSThresholdPress, RandomScorer, Scorer
 from kvzap._compat import cache_kwarg_name
+from kvzap.presses.baseline_scorers import KeyNormScorer
 from tests.conftest import FAMILIES, random_ids, tiny_model
 
 
@@ -228,3 +229,42 @@ def test_chunked_prefill_prunes_each_chunk_like_a_continuing_sequence(llama, win
     for ours, theirs in zip(cache.layers, reference.layers, strict=True):
         assert torch.equal(ours.keep_mask(), theirs.keep_mask())
     assert chunked.compression_ratio > 0
+
+
+class CountingKeyNormScorer(KeyNormScorer):
+    """A per-pair function of the key (so batching its calls changes no score), counting calls per layer."""
+
+    def setup(self, model):
+        self.calls, self.positions = {}, {}
+
+    def score(self, module, hidden_states, keys, values, positions):
+        self.calls[module.layer_idx] = self.calls.get(module.layer_idx, 0) + 1
+        self.positions.setdefault(module.layer_idx, []).extend(positions.tolist())
+        return super().score(module, hidden_states, keys, values, positions)
+
+
+@pytest.mark.parametrize("window", [0, 3, 20])
+def test_decoded_tokens_are_scored_in_batches_with_the_same_decisions(llama, window, monkeypatch):
+    chunks = [12, 3] + [1] * 40  # prefill, a question, 40 decoded tokens
+    ids = random_ids(2, sum(chunks), seed=window)
+    runs = {}
+    for batch in (1, 16):
+        monkeypatch.setattr("kvzap.presses.threshold._DECODE_SCORE_BATCH", batch)
+        scorer = CountingKeyNormScorer()
+        press = DMSThresholdPress(scorer, threshold=-0.62, sliding_window_size=window, decoding=True)
+        cache, logits = run(llama, press, ids, chunks)
+        runs[batch] = (cache, logits, scorer)
+    (one_cache, one_logits, one), (many_cache, many_logits, many) = runs[1], runs[16]
+    for a, b in zip(one_cache.layers, many_cache.layers, strict=True):
+        assert torch.equal(a.keep_mask(), b.keep_mask()) and torch.equal(a.n_evicted, b.n_evicted)
+    assert 0 < float((~many_cache.layers[0].keep_mask()).float().mean()) < 1
+    torch.testing.assert_close(many_logits, one_logits, rtol=0, atol=0)
+    assert one.calls[0] == len(chunks)
+    # Each position is scored once, in order; the tokens not scored yet are all inside the window.
+    for positions in many.positions.values():
+        assert positions == list(range(len(positions)))
+        assert sum(chunks) - len(positions) <= max(window, 0)
+    if window == 0:
+        assert many.calls[0] == len(chunks)  # every token leaves the window at once: scored at once
+    else:
+        assert many.calls[0] < len(chunks) // 2
