@@ -5,11 +5,13 @@ KV heads keep very different numbers of pairs (measured on SmolLM2-135M at 4k to
 100% per head; padding every head of a layer to its busiest one would store 0.49 of the full cache for 0.32
 kept), so the layout must not pad heads to a common length. It is paged, like a serving engine's KV cache:
 
-- a pool of ``num_blocks`` blocks of ``block_size`` slots: ``keys (num_blocks, block_size, d)``, ``values``
-  and ``positions (num_blocks, block_size)`` (absolute position of the pair in each slot, -1 in a free slot);
+- a pool of ``num_blocks`` blocks of ``block_size`` slots: ``keys (num_blocks, block_size, d)``, ``values``,
+  ``positions (num_blocks, block_size)`` (absolute position of the pair in each slot) and ``bias`` (0 in a live
+  slot, -inf in a free one: added to the logits, it is the attention mask of the stored pairs);
 - every (batch row ``b``, KV head ``h``), index ``i = b * kv_heads + h``, owns an ordered list of blocks (its
-  row of the block table) and fills their slots in order; a block belongs to one head at a time (``owner``),
-  free blocks wait in a free list;
+  row of the block table) and fills their slots in order; a block belongs to one head at a time (``owner``);
+  the blocks in use are the first ones of the pool (blocks are taken in order and only a repack frees them),
+  so attention reads a prefix of the pool and never meets the unused tail;
 - a slot map ``(heads, seen)`` gives the slot of every stored (head, position), so evicting a given position
   is O(1), never a search.
 
@@ -20,10 +22,10 @@ operations, and the device sees one small index tensor per write.
 Operations (the device work of each is a few tensor operations for all heads together, never one per head):
 
 - **Append** writes each head's new pairs into its holes first (see below), then into its next fresh slots;
-  a head whose last block is full takes a block from the free list (the pool grows by 1/8 when it runs out:
+  a head whose last block is full takes the next unused block (the pool grows by 1/8 when it runs out:
   amortised O(1) per token).
 - **Evict** of a few positions (decoding: the token leaving the sliding window) marks the slot free
-  (position -1) and hands it to its head's list of holes: the head's next append writes there. No pair moves;
+  (bias -inf) and hands it to its head's list of holes: the head's next append writes there. No pair moves;
   in decoding (one pair in, at most one out per head and step) a head never holds more than a hole or two.
   Larger evictions (the prefill's), or holes piling up (more than a block, and more than 1/32 of the live
   pairs), repack the pool, trimmed to the live pairs plus about 3%.
@@ -96,8 +98,10 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._heads = 0
         self._nh = 0  # batch rows x KV heads
         self._kb = self._vb = None  # (num_blocks, block_size, d) pools
-        self._pb = None  # (num_blocks, block_size) long: absolute position of each slot's pair, -1 if free
-        self._owner = None  # (num_blocks,) long: owning head, or _nh for a free block
+        self._pb = None  # (num_blocks, block_size) long: absolute position of each slot's pair
+        # (num_blocks, block_size), keys' dtype: 0 in a live slot, -inf in a free one (added to the logits)
+        self._bias = None
+        self._owner = None  # (num_blocks,) long: owning head (meaningful for the used blocks only)
         self._routing_cache = None  # see _routing
         # Host-side bookkeeping (a decoding step's slots are computed here, not on the device):
         self._slot = np.full((0, 0), -1, dtype=np.int32)  # (nh, positions capacity): flat slot, -1 if not stored
@@ -105,7 +109,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._end: list[int] = []  # slots used per head (live pairs and holes): its next fresh local slot
         self._holes: list[list[int]] = []  # per head, flat slots freed by evictions, reused first
         self._blocks: list[list[int]] = []  # the block table: each head's block ids in order
-        self._free: list[int] = []  # free block ids
+        self._n_used = 0  # blocks in use: always the first ones of the pool (blocks are freed only by a repack)
         self._first_forward = True  # the new pairs of the first update are the whole cache
         # id(key pool) -> (weak reference to it, slots a snapshot still sees); not part of snapshots.
         self._protected: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
@@ -120,13 +124,14 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         bs, dev = self.block_size, self.device
         self._kb = self.keys.new_zeros(num_blocks, bs, self.keys.shape[-1])
         self._vb = self.values.new_zeros(num_blocks, bs, self.values.shape[-1])
-        self._pb = torch.full((num_blocks, bs), -1, dtype=torch.long, device=dev)
+        self._pb = torch.zeros(num_blocks, bs, dtype=torch.long, device=dev)
+        self._bias = self.keys.new_full((num_blocks, bs), float("-inf"))
         self._owner = torch.full((num_blocks,), self._nh, dtype=torch.long, device=dev)
         self._routing_cache = None
 
     def _grow_pool(self, needed: int) -> None:
         """Add free blocks so that at least ``needed`` are free (geometric growth: amortised O(1) per pair)."""
-        missing = needed - len(self._free)
+        missing = needed - (self.num_blocks - self._n_used)
         if missing <= 0:
             return
         old = self.num_blocks
@@ -134,10 +139,10 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         bs = self.block_size
         self._kb = torch.cat([self._kb, self._kb.new_zeros(extra, bs, self._kb.shape[-1])])
         self._vb = torch.cat([self._vb, self._vb.new_zeros(extra, bs, self._vb.shape[-1])])
-        self._pb = torch.cat([self._pb, self._pb.new_full((extra, bs), -1)])
+        self._pb = torch.cat([self._pb, self._pb.new_zeros(extra, bs)])
+        self._bias = torch.cat([self._bias, self._bias.new_full((extra, bs), float("-inf"))])
         self._owner = torch.cat([self._owner, self._owner.new_full((extra,), self._nh)])
         self._routing_cache = None
-        self._free[:0] = range(old, old + extra)  # blocks are taken from the end: recently freed ones first
 
     def _ensure_slot_width(self, width: int) -> None:
         if self._slot.shape[1] < width:
@@ -149,9 +154,10 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         return torch.from_numpy(array).to(self.device)
 
     def _take_blocks(self, heads: list[int]) -> None:
-        """Append one block from the free list to each head of ``heads`` (repeats allowed)."""
+        """Append the next unused block to each head of ``heads`` (repeats allowed): used blocks stay a prefix."""
         self._grow_pool(len(heads))
-        ids = [self._free.pop() for _ in heads]
+        ids = list(range(self._n_used, self._n_used + len(heads)))
+        self._n_used += len(heads)
         for i, block in zip(heads, ids, strict=True):
             self._blocks[i].append(block)
         self._owner[torch.tensor(ids, dtype=torch.long, device=self.device)] = torch.tensor(
@@ -168,14 +174,14 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             self._kb, self._vb = self._kb.clone(), self._vb.clone()
 
     def _routing(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per block, the head whose queries it meets ``(nb,)`` (free blocks: any head, their slots are masked);
-        the ``(heads, blocks, 1)`` ownership matrix as an additive mask (0 or -inf); and the ``(heads, blocks)``
-        ownership matrix in float32. Cached until the owners change (a block taken or freed)."""
+        """For the used blocks: the head owning each ``(nu,)``; the ``(heads, nu, 1)`` ownership matrix as an
+        additive mask (0 or -inf); and the ``(heads, nu)`` ownership matrix in float32. Cached until a block is
+        taken (or the pool repacked)."""
         if self._routing_cache is None:
-            heads = torch.arange(self._nh, device=self.device)
-            owns = self._owner[None, :] == heads[:, None]
+            owner = self._owner[: self._n_used]
+            owns = owner[None, :] == torch.arange(self._nh, device=self.device)[:, None]
             bias = torch.zeros(owns.shape, device=self.device).masked_fill_(~owns, float("-inf"))[:, :, None]
-            self._routing_cache = (self._owner.clamp_max(self._nh - 1), bias, owns.float())
+            self._routing_cache = (owner, bias, owns.float())
         return self._routing_cache
 
     def _head_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +198,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
 
     def _drop_and_repack(self, slots: torch.Tensor) -> None:
         """Forget the pairs in flat ``slots`` and repack (the repack rebuilds the slot map from the live pairs)."""
-        self._pb.view(-1)[slots] = -1
+        self._bias.view(-1)[slots] = float("-inf")
         self._repack()
 
     def _repack(self, rows: list[int] | None = None, slack: bool = True) -> None:
@@ -205,7 +211,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         """
         bs, dev = self.block_size, self.device
         slots, owned = self._head_slots()
-        live = owned & (self._pb.view(-1)[slots] >= 0)  # (nh, width)
+        live = owned & (self._bias.view(-1)[slots] == 0)  # (nh, width)
         if rows is not None:
             index = torch.tensor(rows, dtype=torch.long, device=dev)
             slots, live = slots.index_select(0, index), live.index_select(0, index)
@@ -229,6 +235,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._kb.view(-1, self._kb.shape[-1])[dst] = keys[src]
         self._vb.view(-1, self._vb.shape[-1])[dst] = values[src]
         self._pb.view(-1)[dst] = src_pos
+        self._bias.view(-1)[dst] = 0
         self._owner[:used] = torch.repeat_interleave(
             torch.arange(new_nh, device=dev), torch.tensor(n_blocks, dtype=torch.long, device=dev)
         )
@@ -236,7 +243,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         for c in n_blocks:
             starts.append(starts[-1] + c)
         self._blocks = [list(range(starts[i], starts[i + 1])) for i in range(new_nh)]
-        self._free = list(range(used, used + spare))
+        self._n_used = used
         self._slot = np.full((new_nh, max(self.seen, 1) + 64), -1, dtype=np.int32)
         self._slot[head.cpu().numpy(), src_pos.cpu().numpy()] = dst.cpu().numpy()
         self._n, self._end, self._holes = n, list(n), [[] for _ in range(new_nh)]
@@ -255,7 +262,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._n, self._end = [0] * self._nh, [0] * self._nh
         self._holes = [[] for _ in range(self._nh)]
         self._blocks = [[] for _ in range(self._nh)]
-        self._free = []
+        self._n_used = 0
         self.n_evicted = torch.zeros(bsz, n_heads, dtype=torch.long, device=self.device)
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -275,6 +282,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         else:
             positions = torch.arange(self.seen, self.seen + q_len, device=dev)
             self._pb.view(-1).index_copy_(0, slots_t, positions.repeat(self._nh))
+        self._bias.view(-1).index_fill_(0, slots_t, 0)
         self._ensure_slot_width(self.seen + q_len)
         self._slot[:, self.seen : self.seen + q_len] = np.asarray(slots, dtype=np.int32).reshape(self._nh, q_len)
 
@@ -432,7 +440,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         if not freed:
             return
         self._count_evicted(counts)
-        self._pb.view(-1).index_fill_(0, torch.tensor(freed, dtype=torch.long, device=self.device), -1)
+        self._bias.view(-1).index_fill_(0, torch.tensor(freed, dtype=torch.long, device=self.device), float("-inf"))
         # Decoding refills holes at once (one pair in per head and step); if they pile up, pack the pool.
         if sum(map(len, self._holes)) > max(self.block_size, sum(self._n) // 32):
             self._repack()
@@ -455,7 +463,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         order (not position order)."""
         blocks = torch.tensor(self._blocks[batch * self._heads + head], dtype=torch.long, device=self.device)
         flat = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).view(-1)
-        flat = flat[self._pb.view(-1)[flat] >= 0]
+        flat = flat[self._bias.view(-1)[flat] == 0]
         return (
             self._kb.view(-1, self._kb.shape[-1])[flat],
             self._vb.view(-1, self._vb.shape[-1])[flat],
@@ -472,7 +480,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         host-side slot map."""
         if not self.is_initialized:
             return 0
-        tensors = (self._kb, self._vb, self._pb, self._owner)
+        tensors = (self._kb, self._vb, self._pb, self._bias, self._owner)
         return sum(t.numel() * t.element_size() for t in tensors) + self._slot.nbytes
 
     def _pair_bytes(self) -> int:
@@ -509,7 +517,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             am = attention_mask[:, 0, -q_len:, -self.seen :]  # (B or 1, q, seen)
         # A multi-token step (question, prefill chunk) meets every stored slot: bound the (slots x rows) scratch
         # by attending a few query positions at a time.
-        slots_x_group = self.num_blocks * self.block_size * (n_q_heads // self._heads)
+        slots_x_group = self._n_used * self.block_size * (n_q_heads // self._heads)
         step = max(1, _ATTEND_SCRATCH // max(1, slots_x_group))
         outs = []
         for t0 in range(0, q_len, step):
@@ -527,39 +535,39 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         bsz, n_q_heads, q_len, head_dim = query.shape
         groups = n_q_heads // self._heads
         rows = groups * q_len
-        nh, bs = self._nh, self.block_size
-        # Fold the query heads of a group into the query axis: (B, Hq, q, d) -> (B*Hkv, G*q, d).
-        q = query.reshape(nh, rows, head_dim) * scale
+        nh, bs, nu = self._nh, self.block_size, self._n_used
+        keys, values, positions = self._kb[:nu], self._vb[:nu], self._pb[:nu]  # the used blocks only
         owner, owns_bias, routing = self._routing()
-        q_blocks = q.index_select(0, owner)  # (nb, G*q, d): each block's owner's queries
-        logits = torch.bmm(q_blocks, self._kb.transpose(1, 2)).float()  # (nb, G*q, bs)
 
-        if am is None and q_pos is None:  # one token: it sees every live slot
-            logits = logits.masked_fill_(self._pb[:, None, :] < 0, float("-inf"))
+        bias = self._bias[:nu, None, :]  # (nu, 1, bs): -inf in free slots
+        if am is None and q_pos is None:
+            blocked = None  # one token: it sees every live slot
+        elif am is not None:
+            block_row = (owner // self._heads).clamp_max(am.shape[0] - 1)  # (nu,) batch row of each block
+            seen_at = am[:, :, positions.view(-1)].view(am.shape[0], q_len, nu, bs)  # (B', q, nu, bs)
+            seen_at = seen_at[block_row, :, torch.arange(nu, device=self.device)]  # (nu, q, bs)
+            blocked = ~seen_at
         else:
-            allowed = self._pb[:, None, :] >= 0  # (nb, 1, bs): live slots
-            if am is not None:
-                block_row = (owner // self._heads).clamp_max(am.shape[0] - 1)  # (nb,) batch row of each block
-                seen_at = am[:, :, self._pb.view(-1)].view(am.shape[0], q_len, -1, bs)  # (B', q, nb, bs)
-                seen_at = seen_at[block_row, :, torch.arange(block_row.numel(), device=self.device)]  # (nb, q, bs)
-                allowed = allowed & seen_at
-            else:
-                allowed = allowed & (self._pb[:, None, :] <= q_pos[None, :, None])  # (nb, q, bs) causal
-            if allowed.shape[1] > 1:  # per query position: repeat over the group, like the folded queries
-                allowed = allowed.repeat(1, groups, 1)
-            logits = logits.masked_fill_(~allowed, float("-inf"))
+            blocked = positions[:, None, :] > q_pos[None, :, None]  # (nu, q, bs) causal
+        if blocked is not None:  # per query position, repeated over the group like the folded queries
+            bias = bias.masked_fill(blocked, float("-inf")).repeat(1, groups, 1)
+
+        # Fold the query heads of a group into the query axis: (B, Hq, q, d) -> (B*Hkv, G*q, d); each block meets
+        # its owner's queries. Scale, mask and logits in one batched matmul.
+        q_blocks = query.reshape(nh, rows, head_dim).index_select(0, owner)  # (nu, G*q, d)
+        logits = torch.baddbmm(bias, q_blocks, keys.transpose(1, 2), alpha=scale).float()  # (nu, G*q, bs)
 
         # Softmax split over blocks, merged per head (flash-decoding style): exact, no loop over heads. The merges
         # are reductions over a head's blocks, written with the (heads, blocks) routing matrix.
-        block_max = logits.amax(-1)  # (nb, G*q)
+        block_max = logits.amax(-1)  # (nu, G*q)
         head_max = (block_max[None] + owns_bias).amax(1)  # (nh, G*q)
         if q_pos is not None or am is not None:  # (one token: every head sees its own new pair)
             head_max = torch.nan_to_num(head_max, neginf=0.0)  # a row that sees nothing would give NaN
-        weights = torch.exp(logits - head_max.index_select(0, owner)[:, :, None])  # (nb, G*q, bs)
-        block_sum = weights.sum(-1)  # (nb, G*q)
-        block_out = torch.bmm(weights.to(self._vb.dtype), self._vb).float()  # (nb, G*q, d)
+        weights = logits.sub_(head_max.index_select(0, owner)[:, :, None]).exp_()  # (nu, G*q, bs), in place
+        block_sum = weights.sum(-1)  # (nu, G*q)
+        block_out = torch.bmm(weights.to(values.dtype), values).float()  # (nu, G*q, d)
         head_sum = routing @ block_sum  # (nh, G*q)
-        head_out = (routing @ block_out.view(block_out.shape[0], -1)).view(nh, rows, -1)
+        head_out = (routing @ block_out.view(nu, -1)).view(nh, rows, -1)
         out = (head_out / head_sum[:, :, None]).to(query.dtype)  # (B*Hkv, G*q, d)
         return out.view(bsz, n_q_heads, q_len, -1)
 
@@ -568,7 +576,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._protected = {key: entry for key, entry in self._protected.items() if entry[0]() is not None}
         if self._kb is not None:
             entry = self._protected.get(id(self._kb))
-            live = self._pb >= 0
+            live = self._bias == 0
             seen = live if entry is None or entry[0]() is not self._kb else entry[1] | live
             self._protected[id(self._kb)] = (weakref.ref(self._kb), seen)
         return self._state_copy(self.__dict__)
@@ -576,7 +584,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
     @staticmethod
     def _state_copy(source: dict[str, Any]) -> dict[str, Any]:
         state = {name: value for name, value in source.items() if name != "_protected"}
-        for name in ("_pb", "_owner"):
+        for name in ("_pb", "_bias", "_owner"):
             if state.get(name) is not None:
                 state[name] = state[name].clone()
         state["_slot"] = state["_slot"].copy()
@@ -584,7 +592,6 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         state["_n"], state["_end"] = list(state["_n"]), list(state["_end"])
         state["_holes"] = [list(h) for h in state["_holes"]]
         state["_blocks"] = [list(b) for b in state["_blocks"]]
-        state["_free"] = list(state["_free"])
         state["press_state"] = dict(state["press_state"])
         return state
 
