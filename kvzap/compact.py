@@ -22,13 +22,13 @@ operations, and the device sees one small index tensor per write.
 Operations (the device work of each is a few tensor operations for all heads together, never one per head):
 
 - **Append** writes each head's new pairs into its holes first (see below), then into its next fresh slots;
-  a head whose last block is full takes the next unused block (the pool grows by 1/8 when it runs out:
+  a head whose last block is full takes the next unused block (the pool grows by 1/32 when it runs out:
   amortised O(1) per token).
 - **Evict** of a few positions (decoding: the token leaving the sliding window) marks the slot free
   (bias -inf) and hands it to its head's list of holes: the head's next append writes there. No pair moves;
   in decoding (one pair in, at most one out per head and step) a head never holds more than a hole or two.
   Larger evictions (the prefill's), or holes piling up (more than a block, and more than 1/32 of the live
-  pairs), repack the pool, trimmed to the live pairs plus about 3%.
+  pairs), repack the pool, trimmed to the live pairs plus about 1.5%.
 - **Attention** reads the blocks as a batch: one batched matmul of each block's keys with the queries of its
   owner head, a softmax split over blocks and merged per head with a max and a sum reduction (the split-K
   scheme of flash decoding), one batched matmul with the values. Causal masks of multi-token steps come from
@@ -98,7 +98,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._heads = 0
         self._nh = 0  # batch rows x KV heads
         self._kb = self._vb = None  # (num_blocks, block_size, d) pools
-        self._pb = None  # (num_blocks, block_size) long: absolute position of each slot's pair
+        self._pb = None  # (num_blocks, block_size) int32: absolute position of each slot's pair
         # (num_blocks, block_size), keys' dtype: 0 in a live slot, -inf in a free one (added to the logits)
         self._bias = None
         self._owner = None  # (num_blocks,) long: owning head (meaningful for the used blocks only)
@@ -124,7 +124,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         bs, dev = self.block_size, self.device
         self._kb = self.keys.new_zeros(num_blocks, bs, self.keys.shape[-1])
         self._vb = self.values.new_zeros(num_blocks, bs, self.values.shape[-1])
-        self._pb = torch.zeros(num_blocks, bs, dtype=torch.long, device=dev)
+        self._pb = torch.zeros(num_blocks, bs, dtype=torch.int32, device=dev)
         self._bias = self.keys.new_full((num_blocks, bs), float("-inf"))
         self._owner = torch.full((num_blocks,), self._nh, dtype=torch.long, device=dev)
         self._routing_cache = None
@@ -135,7 +135,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         if missing <= 0:
             return
         old = self.num_blocks
-        extra = max(missing, old // 8 + 2)
+        extra = max(missing, old // 32 + self._nh)
         bs = self.block_size
         self._kb = torch.cat([self._kb, self._kb.new_zeros(extra, bs, self._kb.shape[-1])])
         self._vb = torch.cat([self._vb, self._vb.new_zeros(extra, bs, self._vb.shape[-1])])
@@ -207,7 +207,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         Parameters
         ----------
         rows : for each head of the new layout, the head it copies (batch operations); None keeps the heads.
-        slack : keep about 3% free blocks for the pairs to come.
+        slack : keep about 1.5% unused blocks (at least one) for the pairs to come.
         """
         bs, dev = self.block_size, self.device
         slots, owned = self._head_slots()
@@ -226,7 +226,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         block_start = torch.tensor([0] + n_blocks[:-1], dtype=torch.long, device=dev).cumsum(0)
         dst = (block_start[head] + local // bs) * bs + local % bs
         used = sum(n_blocks)
-        spare = (used // 32 + 1) if slack else 0
+        spare = (used // 64 + 1) if slack else 0
 
         keys, values, positions = self._kb.view(-1, self._kb.shape[-1]), self._vb.view(-1, self._vb.shape[-1]), self._pb
         src_pos = positions.view(-1)[src]
@@ -280,7 +280,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         if q_len == 1:
             self._pb.view(-1).index_fill_(0, slots_t, self.seen)
         else:
-            positions = torch.arange(self.seen, self.seen + q_len, device=dev)
+            positions = torch.arange(self.seen, self.seen + q_len, dtype=torch.int32, device=dev)
             self._pb.view(-1).index_copy_(0, slots_t, positions.repeat(self._nh))
         self._bias.view(-1).index_fill_(0, slots_t, 0)
         self._ensure_slot_width(self.seen + q_len)

@@ -101,7 +101,7 @@ def test_physical_bytes_follow_kept_pairs():
     assert bool((cap >= kept).all()) and bool((cap - kept < bs).all())
     # The pool: the heads' blocks plus a few unused ones; per slot a key, a value, a position and a bias.
     assert layer.num_blocks * bs >= int(cap.sum()) and layer.num_blocks <= int(cap.sum()) // bs * 33 // 32 + 4
-    pool = layer.num_blocks * bs * (pair_bytes + 8 + 4)
+    pool = layer.num_blocks * bs * (pair_bytes + 4 + 4)  # int32 position, fp32 bias
     slot_map = layer._slot.nbytes  # host-side, int32
     assert pool + slot_map < layer.physical_bytes() < pool + slot_map + 4096
     assert layer.physical_bytes() < 0.6 * layer.full_bytes()  # ~70% pruned
