@@ -136,6 +136,9 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             return
         old = self.num_blocks
         extra = max(missing, old // 32 + self._nh)
+        if old == 0:  # a first forward: nothing to copy
+            self._new_pool(extra)
+            return
         bs = self.block_size
         self._kb = torch.cat([self._kb, self._kb.new_zeros(extra, bs, self._kb.shape[-1])])
         self._vb = torch.cat([self._vb, self._vb.new_zeros(extra, bs, self._vb.shape[-1])])
