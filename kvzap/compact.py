@@ -270,6 +270,9 @@ class CompactLayer(PrunableLayer, DynamicLayer):
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         q_len, dev = key_states.shape[2], self.device
+        if self.seen == 0 and self._n_used == 0:
+            self._append_first(key_states, value_states)
+            return
         if q_len == 1:
             slots = self._next_slots()
             slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
@@ -288,6 +291,26 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._bias.view(-1).index_fill_(0, slots_t, 0)
         self._ensure_slot_width(self.seen + q_len)
         self._slot[:, self.seen : self.seen + q_len] = np.asarray(slots, dtype=np.int32).reshape(self._nh, q_len)
+
+    def _append_first(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The first pairs of an empty layer (the prefill): each head gets consecutive blocks, in head order, so
+        the pairs go in with one strided copy per tensor instead of a scatter."""
+        q_len, nh, bs = key_states.shape[2], self._nh, self.block_size
+        per_head = _ceil_div(q_len, bs)
+        self._grow_pool(nh * per_head)
+        width = per_head * bs
+        used = slice(0, nh * per_head)
+        self._kb[used].view(nh, width, -1)[:, :q_len] = key_states.reshape(nh, q_len, -1)
+        self._vb[used].view(nh, width, -1)[:, :q_len] = value_states.reshape(nh, q_len, -1)
+        self._pb[used].view(nh, width)[:, :q_len] = torch.arange(q_len, dtype=torch.int32, device=self.device)
+        self._bias[used].view(nh, width)[:, :q_len] = 0
+        self._owner[used] = torch.arange(nh, device=self.device).repeat_interleave(per_head)
+        self._routing_cache = None
+        self._n_used = nh * per_head
+        self._blocks = [list(range(i * per_head, (i + 1) * per_head)) for i in range(nh)]
+        self._n, self._end = [q_len] * nh, [q_len] * nh
+        self._ensure_slot_width(q_len)
+        self._slot[:, :q_len] = np.arange(nh, dtype=np.int32)[:, None] * width + np.arange(q_len, dtype=np.int32)
 
     def _next_slots(self) -> list[int]:
         """One new slot per head (a decoding step): its latest hole, else its next fresh slot (host arithmetic)."""

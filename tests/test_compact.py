@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from kvzap import _compat
@@ -216,3 +218,69 @@ def test_without_evictions_compact_reads_its_own_storage_after_the_prefill():
     torch.testing.assert_close(logits[True][0], logits[False][0], rtol=0, atol=0)
     for a, b in zip(logits[False][1:], logits[True][1:], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def _check_bookkeeping(layer: CompactLayer, stored: dict[int, dict[int, torch.Tensor]]) -> None:
+    """The host-side tables against a plain model of what each head stores (position -> key)."""
+    bs, d = layer.block_size, layer._kb.shape[-1]
+    used = sorted(b for blocks in layer._blocks for b in blocks)
+    assert used == list(range(layer._n_used)) and layer._n_used <= layer.num_blocks  # used blocks: a prefix
+    live = layer._bias.view(-1) == 0
+    assert int(live.sum()) == sum(layer._n)
+    for i in range(layer._nh):
+        own = {b * bs + j for b in layer._blocks[i] for j in range(bs)}
+        assert bool((layer._owner[layer._blocks[i]] == i).all()) if layer._blocks[i] else True
+        expected = stored[i]
+        assert layer._n[i] == len(expected) and layer._end[i] <= len(layer._blocks[i]) * bs
+        for hole in layer._holes[i]:
+            assert hole in own and not bool(live[hole])
+        assert sorted(int(p) for p in (layer._slot[i] >= 0).nonzero()[0]) == sorted(expected)
+        for position, key in expected.items():
+            slot = int(layer._slot[i, position])
+            assert slot in own and bool(live[slot]) and int(layer._pb.view(-1)[slot]) == position
+            assert torch.equal(layer._kb.view(-1, d)[slot], key)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("append"), st.integers(1, 6)),
+            st.tuples(st.just("evict"), st.integers(0, 10_000), st.integers(1, 8), st.integers(0, 2**16)),
+            st.tuples(st.just("crop"), st.integers(1, 3)),
+        ),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_block_tables_slot_map_and_holes_stay_consistent(ops):
+    layer, bsz, heads, d = CompactLayer(block_size=4), 2, 2, 3
+    stored = {i: {} for i in range(bsz * heads)}  # per head: position -> key
+    generator = torch.Generator().manual_seed(0)
+    for op in [("append", 5), *ops]:
+        if op[0] == "append":
+            keys = torch.randn(bsz, heads, op[1], d, generator=generator)
+            layer.update(keys, -keys)
+            for i in range(bsz * heads):
+                for j in range(op[1]):
+                    stored[i][layer.seen - op[1] + j] = keys.view(bsz * heads, op[1], d)[i, j]
+        elif op[0] == "evict":
+            start = op[1] % layer.seen
+            n = min(op[2], layer.seen - start)
+            bits = torch.tensor([(op[3] >> k) & 1 for k in range(bsz * heads * n)], dtype=torch.bool)
+            mask = bits.view(bsz, heads, n)
+            before = layer.n_evicted.clone()
+            layer.evict(start, mask)
+            removed = torch.zeros(bsz * heads, dtype=torch.long)
+            for i in range(bsz * heads):
+                for j in range(n):
+                    if mask.view(-1, n)[i, j] and start + j in stored[i]:
+                        del stored[i][start + j]
+                        removed[i] += 1
+            assert torch.equal(layer.n_evicted - before, removed.view(bsz, heads))
+        elif layer.seen > op[1]:
+            layer.crop(-op[1])  # forget the last op[1] tokens
+            for i in stored:
+                stored[i] = {p: k for p, k in stored[i].items() if p < layer.seen}
+        _check_bookkeeping(layer, stored)
+    assert torch.equal(layer.kept_counts().view(-1), torch.tensor([len(stored[i]) for i in range(bsz * heads)]))
