@@ -134,6 +134,12 @@ class BasePress(ABC):
         """True if the press changes the cache after the prefill (generated or question tokens)."""
         return False
 
+    @property
+    def scores_needed(self) -> bool:
+        """False when the press can evict nothing whatever the scores (a threshold of -inf): its scorers are then
+        never called, and those reading the prefill's inputs (oracles) skip their extra forward."""
+        return True
+
     def validate(self) -> None:
         """Raise ValueError/TypeError for invalid parameters. Called at construction and on entering.
 
@@ -281,7 +287,7 @@ class BasePress(ABC):
         ensure_registered()
 
         scorers = self.scorers()
-        readers = tuple(s for s in scorers if s.reads_prefill_inputs)
+        readers = tuple(s for s in scorers if s.reads_prefill_inputs) if self.scores_needed else ()
 
         original_attn = model.config._attn_implementation
         handles = []

@@ -35,7 +35,8 @@ class DMSThresholdPress(BasePress):
     scorer : Scorer
         Gives each new pair a score (e.g. :class:`~kvzap.KVzapScorer`, a predicted log KVzip+ score).
     threshold : float
-        Pairs with ``score < threshold`` are evicted. ``-inf`` evicts nothing. Higher = more compression.
+        Pairs with ``score < threshold`` are evicted. ``-inf`` evicts nothing (and skips scoring). Higher = more
+        compression.
     sliding_window_size : int, default 128
         Number of most recent tokens that are always kept.
     decoding : bool, default False
@@ -90,12 +91,18 @@ class DMSThresholdPress(BasePress):
     def prunes_during_decoding(self) -> bool:
         return bool(self.decoding)
 
+    @property
+    def scores_needed(self) -> bool:
+        return self.threshold != -math.inf  # no score is below -inf
+
     def setup(self, model) -> None:
         self.scorer.setup(model)
 
     def process_layer(self, module: nn.Module, layer: PrunableLayer, hidden_states: torch.Tensor, prefill: bool):
         if not (prefill or self.decoding):
             return False  # decoding-time pruning is off: the window tokens of the prefill stay kept
+        if not self.scores_needed:
+            return True  # nothing to score, nothing evicted (the statistics are still recorded)
         q_len = hidden_states.shape[1]
         state = layer.press_state
         # pending: scores (B, H, p) of the tokens from pending_start on, still inside the window; unscored: the

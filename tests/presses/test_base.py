@@ -133,3 +133,36 @@ def test_topk_press_evicts_the_requested_share_per_head(llama):
     assert press.head_compression_ratios.shape == (2, 2) and press.sample_compression_ratios.shape == (2,)
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         TopKPress(RandomScorer(), target_compression=1.0)
+
+
+class PrefillReadingScorer(RandomScorer):
+    """Counts the prefill-input calls and the scoring calls (an oracle's extra forward would run in the former)."""
+
+    reads_prefill_inputs = True
+
+    def setup(self, model):
+        super().setup(model)
+        self.begins, self.scored = 0, 0
+
+    def begin_prefill(self, model, input_ids, inputs_embeds, chunked):
+        self.begins += 1
+
+    def score(self, module, hidden_states, keys, values, positions):
+        self.scored += 1
+        return super().score(module, hidden_states, keys, values, positions)
+
+
+@pytest.mark.parametrize("threshold", [float("-inf"), 0.0])
+def test_a_threshold_of_minus_inf_needs_no_scores(llama, threshold):
+    scorer = PrefillReadingScorer()
+    press = DMSThresholdPress(scorer, threshold=threshold, sliding_window_size=2, decoding=True)
+    cache = DynamicCache(config=llama.config)
+    kw = cache_kwarg_name(llama)
+    with press(llama):
+        llama(random_ids(1, 12), **{kw: cache})
+        llama(random_ids(1, 1, seed=1), **{kw: cache})
+    assert press.scores_needed is (threshold != float("-inf"))
+    if press.scores_needed:
+        assert scorer.begins == 1 and scorer.scored > 0 and press.compression_ratio > 0
+    else:  # no score can be below -inf: neither the prefill reader nor the scorer runs, statistics still exist
+        assert scorer.begins == 0 and scorer.scored == 0 and press.compression_ratio == 0.0

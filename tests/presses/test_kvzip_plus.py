@@ -90,7 +90,7 @@ def test_scores_equal_kvzip_plus_scores(family, tokenizer):
     model = tiny_model(family)
     ids = prefill_ids(tokenizer)  # 84 tokens: crosses the 24-token sliding window of mistral and gemma3
     scorer = RecordingScorer(tokenizer)
-    prefill(model, DMSThresholdPress(scorer, threshold=float("-inf"), sliding_window_size=4), ids)
+    prefill(model, DMSThresholdPress(scorer, threshold=-1e30, sliding_window_size=4), ids)  # scores, evicts nothing
     served = torch.stack([scorer.served[i] for i in sorted(scorer.served)])  # (n_layers, 1, H, n)
     torch.testing.assert_close(served, direct_scores(model, tokenizer, ids), rtol=0, atol=0)
     # On the context tokens they are the training targets of the context (what KVzap surrogates learn).
@@ -102,7 +102,7 @@ def test_scores_equal_kvzip_plus_scores(family, tokenizer):
 def test_batch_rows_are_scored_separately(llama, tokenizer):
     ids = torch.cat([prefill_ids(tokenizer, "abcdefghij" * 3), prefill_ids(tokenizer, "0123456789" * 3)])
     scorer = RecordingScorer(tokenizer)
-    prefill(llama, DMSThresholdPress(scorer, threshold=float("-inf"), sliding_window_size=4), ids)
+    prefill(llama, DMSThresholdPress(scorer, threshold=-1e30, sliding_window_size=4), ids)
     served = torch.stack([scorer.served[i] for i in sorted(scorer.served)])  # (n_layers, 2, H, n)
     torch.testing.assert_close(served, direct_scores(llama, tokenizer, ids), rtol=0, atol=0)
 

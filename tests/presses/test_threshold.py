@@ -101,10 +101,10 @@ def test_threshold_minus_inf_gives_identical_logits(family, decoding, storage):
     for size in chunks:
         reference.append(model(ids[:, start : start + size], **{kw: cache}).logits)
         start += size
-    press = DMSThresholdPress(
-        RandomScorer(0), threshold=-math.inf, sliding_window_size=4, decoding=decoding, storage=storage
-    )
+    scorer = RecordingScorer(0)
+    press = DMSThresholdPress(scorer, threshold=-math.inf, sliding_window_size=4, decoding=decoding, storage=storage)
     _, logits = run(model, press, ids, chunks)
+    assert scorer.history == {}  # no score can be below -inf: nothing is scored
     if storage == "masked":  # transformers' own sdpa on the same tensors, bit for bit
         assert torch.equal(logits, torch.cat(reference, dim=1))
     else:  # after the prefill, compact layers attend per KV head over their own buffers: float precision
