@@ -36,10 +36,6 @@ Operations (the device work of each is a few tensor operations for all heads tog
 - **Snapshots** share the key/value pool with the live cache; the small tensors (positions, tables) are
   copied. A later write into a slot that a snapshot still sees copies the pool first (copy on write).
 
-A layer that has evicted nothing keeps transformers' dense layout (there is nothing to free, and transformers'
-sdpa reads it as it would without a press); its first eviction moves its pairs into blocks, one strided copy per
-tensor, and it stays paged from then on.
-
 Sliding-window layers (Mistral, Gemma3 local layers) keep the masked storage: their window already bounds
 their size. :func:`compact_layer_like` picks the storage per layer.
 """
@@ -115,9 +111,6 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._blocks: list[list[int]] = []  # the block table: each head's block ids in order
         self._n_used = 0  # blocks in use: always the first ones of the pool (blocks are freed only by a repack)
         self._first_forward = True  # the new pairs of the first update are the whole cache
-        # Until its first eviction the layer keeps transformers' dense layout (nothing to free yet): keys and
-        # values (B, H, seen, d) in self.keys / self.values, read by transformers' sdpa.
-        self._dense = True
         # id(key pool) -> (weak reference to it, slots a snapshot still sees); not part of snapshots.
         self._protected: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
@@ -363,9 +356,9 @@ class CompactLayer(PrunableLayer, DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new pairs ``(B, H, q, d)`` and return them.
 
-        Until the layer's first eviction it is a dense cache (returns the whole cache, transformers' sdpa reads
-        it). On the first forward of a paged layer the new pairs are the whole cache (dense prefill); afterwards
-        :meth:`attend` reads the blocks and ignores them, so no forward copies a paged cache into a dense tensor.
+        On the sequence's first forward they are the whole cache, and transformers' sdpa reads them (dense
+        prefill); afterwards :meth:`attend` reads the blocks and ignores them, so no forward ever copies the
+        cache into a dense tensor.
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -374,35 +367,15 @@ class CompactLayer(PrunableLayer, DynamicLayer):
                 f"This cache layer holds {self._bsz} sequences x {self._heads} KV heads, got new pairs of shape "
                 f"{tuple(key_states.shape)}: use a fresh cache for a new batch."
             )
-        self.last_keys, self.last_values = key_states, value_states
-        if self._dense:  # nothing evicted yet: the dense layout, exactly as transformers' own cache layer
-            if self.seen == 0:
-                self.keys, self.values = key_states, value_states
-            else:
-                self.keys = torch.cat([self.keys, key_states], dim=-2)
-                self.values = torch.cat([self.values, value_states], dim=-2)
-            self.seen += key_states.shape[-2]
-            return self.keys, self.values
         self._first_forward = self.seen == 0
         self._append(key_states, value_states)
         self.seen += key_states.shape[-2]
+        self.last_keys, self.last_values = key_states, value_states
         return key_states, value_states
 
     @property
     def reads_own_storage(self) -> bool:
-        return not (self._dense or self._first_forward)
-
-    def _materialize(self) -> None:
-        """Leave the dense layout for the blocks (at the first eviction): one strided copy per tensor."""
-        if not self._dense:
-            return
-        self._dense = False
-        keys, values = self.keys, self.values
-        self.keys = keys.new_empty(*keys.shape[:2], 0, keys.shape[-1])
-        self.values = values.new_empty(*values.shape[:2], 0, values.shape[-1])
-        if self.seen:
-            self._append_first(keys, values)
-            self._first_forward = False  # the blocks hold the whole cache now
+        return not self._first_forward
 
     def get_seq_length(self) -> int:
         """Tokens seen (true positions), not pairs stored: transformers derives position ids from it."""
@@ -413,7 +386,6 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         n_crop = crop_count(self.seen, arg)
         if n_crop == 0:
             return
-        self._materialize()
         new_seen = self.seen - n_crop
         slots = self._slot[:, new_seen : self.seen]
         stored = slots >= 0
@@ -432,7 +404,6 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         """Rebuild the storage with batch rows ``rows`` (repeats allowed): every new row gets its own blocks."""
         if not self.is_initialized:
             return
-        self._materialize()
         self._repack(rows=[b * self._heads + h for b in rows for h in range(self._heads)])
         index = torch.tensor(rows, dtype=torch.long, device=self.n_evicted.device)
         self._bsz = len(rows)
@@ -472,10 +443,6 @@ class CompactLayer(PrunableLayer, DynamicLayer):
                 f"evict covers positions {start}..{start + n_pos - 1}, but this layer has seen positions "
                 f"0..{self.seen - 1} only."
             )
-        if self._dense:
-            if not bool(mask.any()):
-                return  # nothing evicted: stay dense
-            self._materialize()
         if n_pos > _HOLES_MAX:
             wanted = mask.to(dtype=torch.bool).reshape(self._nh, n_pos).cpu().numpy()
             slots = self._slot[:, start : start + n_pos]  # (nh, n)
@@ -511,22 +478,15 @@ class CompactLayer(PrunableLayer, DynamicLayer):
 
     def kept_counts(self) -> torch.Tensor:
         """``(B, H)`` pairs physically stored (here: exactly the kept pairs)."""
-        if self._dense:
-            return torch.full((self._bsz, self._heads), self.seen, dtype=torch.long, device=self.device)
         return torch.tensor(self._n, dtype=torch.long, device=self.device).view(self._bsz, self._heads)
 
     def keep_mask(self) -> torch.Tensor:
         """``(B, H, seen)`` True at the positions whose pair is stored."""
-        if self._dense:
-            return torch.ones(self._bsz, self._heads, self.seen, dtype=torch.bool, device=self.device)
         return self._to_device(self._slot[:, : self.seen] >= 0).view(self._bsz, self._heads, self.seen)
 
     def stored_pairs(self, batch: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys ``(n, d)``, values ``(n, d)`` and positions ``(n,)`` stored for one (batch row, KV head), in slot
         order (not position order)."""
-        if self._dense:
-            positions = torch.arange(self.seen, dtype=torch.int32, device=self.device)
-            return self.keys[batch, head], self.values[batch, head], positions
         blocks = torch.tensor(self._blocks[batch * self._heads + head], dtype=torch.long, device=self.device)
         flat = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).view(-1)
         flat = flat[self._bias.view(-1)[flat] == 0]
@@ -538,8 +498,6 @@ class CompactLayer(PrunableLayer, DynamicLayer):
 
     def capacities(self) -> torch.Tensor:
         """``(B, H)`` slots held by each (batch row, KV head): its blocks times the block size."""
-        if self._dense:
-            return torch.full((self._bsz, self._heads), self.seen, dtype=torch.long)
         held = [len(b) * self.block_size for b in self._blocks]
         return torch.tensor(held, dtype=torch.long).view(self._bsz, self._heads)
 
@@ -548,8 +506,6 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         host-side slot map."""
         if not self.is_initialized:
             return 0
-        if self._dense:
-            return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
         tensors = (self._kb, self._vb, self._pb, self._bias, self._owner)
         return sum(t.numel() * t.element_size() for t in tensors) + self._slot.nbytes
 
@@ -558,9 +514,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
 
     def kept_bytes(self) -> int:
         """Bytes of the kept keys and values (no free slots, no bookkeeping)."""
-        if not self.is_initialized:
-            return 0
-        return self.full_bytes() if self._dense else sum(self._n) * self._pair_bytes()
+        return sum(self._n) * self._pair_bytes() if self.is_initialized else 0
 
     def full_bytes(self) -> int:
         """Bytes of the keys and values of every position seen, as an unpruned cache would hold them."""
