@@ -168,6 +168,18 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         )
         self._routing_cache = None
 
+    def _assign_consecutive_blocks(self, n_blocks: list[int]) -> None:
+        """Give head ``i`` the next ``n_blocks[i]`` blocks from the start of the pool, heads in order (a repack's
+        layout, and a prefill's)."""
+        starts = [0]
+        for c in n_blocks:
+            starts.append(starts[-1] + c)
+        self._blocks = [list(range(starts[i], starts[i + 1])) for i in range(len(n_blocks))]
+        self._n_used = starts[-1]
+        counts = torch.tensor(n_blocks, dtype=torch.long, device=self.device)
+        self._owner[: self._n_used] = torch.repeat_interleave(torch.arange(len(n_blocks), device=self.device), counts)
+        self._routing_cache = None
+
     def _writable(self, slots: torch.Tensor) -> None:
         """Copy the key/value pools before writing at flat ``slots`` if a snapshot still sees one of them."""
         entry = self._protected.get(id(self._kb))
@@ -239,14 +251,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._vb.view(-1, self._vb.shape[-1])[dst] = values[src]
         self._pb.view(-1)[dst] = src_pos
         self._bias.view(-1)[dst] = 0
-        self._owner[:used] = torch.repeat_interleave(
-            torch.arange(new_nh, device=dev), torch.tensor(n_blocks, dtype=torch.long, device=dev)
-        )
-        starts = [0]
-        for c in n_blocks:
-            starts.append(starts[-1] + c)
-        self._blocks = [list(range(starts[i], starts[i + 1])) for i in range(new_nh)]
-        self._n_used = used
+        self._assign_consecutive_blocks(n_blocks)
         self._slot = np.full((new_nh, max(self.seen, 1) + 64), -1, dtype=np.int32)
         self._slot[head.cpu().numpy(), src_pos.cpu().numpy()] = dst.cpu().numpy()
         self._n, self._end, self._holes = n, list(n), [[] for _ in range(new_nh)]
@@ -304,10 +309,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._vb[used].view(nh, width, -1)[:, :q_len] = value_states.reshape(nh, q_len, -1)
         self._pb[used].view(nh, width)[:, :q_len] = torch.arange(q_len, dtype=torch.int32, device=self.device)
         self._bias[used].view(nh, width)[:, :q_len] = 0
-        self._owner[used] = torch.arange(nh, device=self.device).repeat_interleave(per_head)
-        self._routing_cache = None
-        self._n_used = nh * per_head
-        self._blocks = [list(range(i * per_head, (i + 1) * per_head)) for i in range(nh)]
+        self._assign_consecutive_blocks([per_head] * nh)
         self._n, self._end = [q_len] * nh, [q_len] * nh
         self._ensure_slot_width(q_len)
         self._slot[:, :q_len] = np.arange(nh, dtype=np.int32)[:, None] * width + np.arange(q_len, dtype=np.int32)
