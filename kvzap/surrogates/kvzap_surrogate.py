@@ -137,8 +137,8 @@ class KVzapSurrogate(nn.Module):
             raise IndexError(f"layer_idx must be in [0, {self.n_modules}) for this surrogate, got {layer_idx}.")
         self._check_last_dim(hidden_states)
         module = self.layers[layer_idx]
-        # The functional form of the module's layers (same parameters, same ops): this runs once per layer and
-        # decoded token, where each nested module call would cost about as much as its matmul.
+        # The functional form of the module's layers (same parameters, same ops): on a few tokens (decoding) each
+        # nested module call would cost about as much as its matmul.
         if isinstance(module, nn.Linear):
             return F.linear(hidden_states.to(module.weight.dtype), module.weight, module.bias)  # (..., H)
         first, last = module[0], module[2]
