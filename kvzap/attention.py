@@ -33,12 +33,19 @@ _registered = False
 
 
 def bind(module: nn.Module, layer: PrunableLayer) -> None:
+    """Make ``module``'s attention read ``layer`` during the forward about to run, and mark the layer as used
+    inside the press (:meth:`~kvzap.cache.PrunableLayer.begin_forward`)."""
     _BINDINGS[module] = layer
+    layer.begin_forward()
 
 
 def unbind(modules) -> None:
+    """Forget the bindings of ``modules``; a layer whose forward never reached the press's post-hook (the forward
+    raised) has it ended here, so that it holds no dense pairs of that forward."""
     for module in modules:
-        _BINDINGS.pop(module, None)
+        layer = _BINDINGS.pop(module, None)
+        if layer is not None and layer._bound:
+            layer.end_forward()
 
 
 def kvzap_attention(

@@ -4,8 +4,9 @@ A press decides *which* pairs to evict; a cache layer defined here decides *how*
 attention reads what is left. Presses only talk to the small interface of :class:`PrunableLayer`:
 
 - ``seen``: number of tokens ever appended to the layer (absolute positions ``0 .. seen - 1``);
-- ``last_keys`` / ``last_values``: the new pairs of the last update, ``(batch, kv_heads, q_len, head_dim)``,
-  for scorers that look at keys or values;
+- ``last_keys`` / ``last_values``: the new pairs of the current forward, ``(batch, kv_heads, q_len, head_dim)``,
+  for scorers that look at keys or values; they live from the layer's ``update`` to :meth:`end_forward` (the
+  end of the press's post-hook), never longer, so no dense copy of a prompt outlives the forward that made it;
 - ``evict(start, mask)``: evict the pairs at absolute positions ``start .. start + n - 1`` where
   ``mask`` ``(batch, kv_heads, n)`` is True; an evicted pair is never attended again by any head;
 - ``n_evicted``: ``(batch, kv_heads)`` number of pairs evicted so far;
@@ -14,7 +15,13 @@ attention reads what is left. Presses only talk to the small interface of :class
 - ``attend(module, query, key, value, attention_mask, scaling, dropout)``: attention over the kept pairs,
   called by the attention function registered in :mod:`kvzap.attention`;
 - ``snapshot()`` / ``restore(state)``: cheap checkpoints used by the pipeline to answer several questions
-  against the same compressed context.
+  against the same compressed context. A snapshot is a :class:`LayerState` that holds only what a restore
+  needs: every attribute of a layer is declared either shared (replaced, never written in place), copied, or
+  transient (alive within one forward, or derived); a layer with an undeclared attribute refuses to snapshot,
+  so a new field is never shared by accident;
+- ``begin_forward()`` / ``end_forward()``: the press binds the layer for one forward (its pre-hook, through
+  :func:`kvzap.attention.bind`) and ends it at the end of its post-hook. A layer that a press has pruned
+  refuses ``update`` outside a press (its evictions would be lost, or its compact storage unread).
 
 This module provides the *masked* storage: the pairs stay in a dense ``[batch, kv_heads, seq, head_dim]``
 tensor and a boolean ``keep`` mask hides the evicted ones from every head (same logits as deleting them).
@@ -22,8 +29,10 @@ tensor and a boolean ``keep`` mask hides the evicted ones from every head (same 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import Cache
@@ -40,7 +49,65 @@ __all__ = [
     "masked_sdpa",
     "kv_bytes",
     "KVBytes",
+    "LayerState",
 ]
+
+# Attributes of transformers' dynamic layers (every 5.x release we support). Their ``update``/``crop``/batch
+# operations replace these tensors instead of writing into them, so a snapshot shares them by reference.
+_PARENT_FIELDS = frozenset(
+    {
+        "keys",
+        "values",
+        "is_initialized",
+        "device",
+        "dtype",
+        "sliding_window",
+        "cumulative_length",
+        "_sliding_window_tensor",
+        "record_past",
+    }
+)
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """A checkpoint of one prunable layer: the attributes a restore needs, by name.
+
+    Attributes
+    ----------
+    layer_type : the class of the layer it was taken from (a restore into another class is refused).
+    fields : attribute name -> value; shared values are the layer's own objects, copied ones are copies made
+        by the layer's snapshot rules (see :meth:`PrunableLayer.snapshot`).
+    """
+
+    layer_type: type
+    fields: dict[str, Any]
+
+
+def _tensor_bytes(objects, seen_storages: set[int] | None = None) -> int:
+    """Bytes of the distinct tensor storages and numpy arrays in ``objects`` (nested tuples, lists and dicts are
+    walked), each storage counted whole and once."""
+    seen_storages = set() if seen_storages is None else seen_storages
+    total = 0
+    stack = list(objects)
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            key = storage.data_ptr() if storage.nbytes() else id(obj)
+            if key not in seen_storages:
+                seen_storages.add(key)
+                total += storage.nbytes()
+        elif isinstance(obj, np.ndarray):
+            base = obj if obj.base is None else obj.base
+            if id(base) not in seen_storages:
+                seen_storages.add(id(base))
+                total += base.nbytes
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (tuple, list)):
+            stack.extend(obj)
+    return total
 
 
 def masked_sdpa(
@@ -89,7 +156,12 @@ def masked_sdpa(
 
 
 class PrunableLayer:
-    """Mixin giving a transformers cache layer the eviction interface presses use (see the module docstring)."""
+    """Mixin giving a transformers cache layer the eviction interface presses use (see the module docstring).
+
+    Snapshot rules: every attribute of a layer is in exactly one of ``_SHARED_FIELDS`` (shared by reference with
+    a snapshot: the layer only ever replaces it), ``_COPIED_FIELDS`` (copied by :meth:`_copy_field`) and
+    ``_TRANSIENT_FIELDS`` (alive within one forward, or derived: not part of a snapshot, reset by a restore).
+    """
 
     seen: int
     n_evicted: torch.Tensor | None
@@ -97,12 +169,20 @@ class PrunableLayer:
     last_keys: torch.Tensor | None
     last_values: torch.Tensor | None
 
+    _SHARED_FIELDS: ClassVar[frozenset[str]] = _PARENT_FIELDS | {"seen", "n_evicted"}
+    # press_state: a shallow copy (presses replace its values, never write into them).
+    _COPIED_FIELDS: ClassVar[frozenset[str]] = frozenset({"press_state"})
+    _TRANSIENT_FIELDS: ClassVar[frozenset[str]] = frozenset({"last_keys", "last_values", "_bound"})
+
     def _init_prunable(self) -> None:
         self.seen = 0
         self.n_evicted = None
         self.press_state = {}
         self.last_keys = None
         self.last_values = None
+        # None: never driven by a press (a standalone layer); True: inside a press's forward; False: a press
+        # drove it and its forward ended (an update now happens outside the press).
+        self._bound: bool | None = None
 
     # The interface -------------------------------------------------------------------------------------------
     def evict(self, start: int, mask: torch.Tensor) -> None:  # pragma: no cover - abstract
@@ -120,14 +200,86 @@ class PrunableLayer:
         the layer (all positions seen, except for sliding-window layers)."""
         raise NotImplementedError
 
-    def snapshot(self) -> dict[str, Any]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def held_objects(self) -> list[Any]:
+        """Every tensor and array this layer holds (for :func:`kv_bytes`): storage, bookkeeping, press state."""
+        return [self.n_evicted, self.press_state, self.last_keys, self.last_values]
 
-    def restore(self, state: dict[str, Any]) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    # Forwards ------------------------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """Called by the press before the attention module's forward (through :func:`kvzap.attention.bind`)."""
+        self._bound = True
+
+    def end_forward(self) -> None:
+        """Called at the end of the press's post-hook (also when the press failed): drop the new pairs of this
+        forward (see ``last_keys``) and leave the storage complete."""
+        self.last_keys = self.last_values = None
+        if self._bound:
+            self._bound = False
+
+    def _check_bound(self) -> None:
+        """Refuse an update outside the press once a press pruned this layer (nothing changed yet)."""
+        if self._bound is False and self._needs_press():
+            raise RuntimeError(
+                f"This cache was pruned by a kvzap press ({type(self).__name__}) and is being used outside "
+                "`with press(model):`: only the press's attention reads its kept pairs correctly. Use the cache "
+                "inside `with press(model):`, or start a new cache."
+            )
+
+    def _needs_press(self) -> bool:
+        """True when a forward without the press would read this layer wrongly."""
+        return True
+
+    # Snapshots -------------------------------------------------------------------------------------------------
+    def _settle(self) -> None:
+        """Bring the storage to a complete state (deferred writes done); nothing to do by default."""
+
+    def _copy_field(self, name: str, value: Any) -> Any:
+        if name == "press_state":
+            return dict(value)
+        raise NotImplementedError(name)  # pragma: no cover - every copied field has a rule
+
+    def _restore_field(self, name: str, value: Any) -> Any:
+        return self._copy_field(name, value)
+
+    def _reset_transient(self) -> None:
+        self.last_keys = self.last_values = None
+
+    def unclassified_fields(self) -> set[str]:
+        """Attributes covered by no snapshot rule (always empty for a correct layer class)."""
+        return set(vars(self)) - self._SHARED_FIELDS - self._COPIED_FIELDS - self._TRANSIENT_FIELDS
+
+    def snapshot(self) -> LayerState:
+        """A checkpoint holding only what :meth:`restore` needs (see the class docstring)."""
+        self._settle()
+        unknown = self.unclassified_fields()
+        if unknown:
+            raise RuntimeError(
+                f"{type(self).__name__} has attributes {sorted(unknown)} that no snapshot rule covers: add them to "
+                "_SHARED_FIELDS, _COPIED_FIELDS or _TRANSIENT_FIELDS (a kvzap bug, or an unsupported transformers "
+                "version)."
+            )
+        fields = {
+            name: self._copy_field(name, value) if name in self._COPIED_FIELDS else value
+            for name, value in vars(self).items()
+            if name not in self._TRANSIENT_FIELDS
+        }
+        return LayerState(type(self), fields)
+
+    def restore(self, state: LayerState) -> None:
+        """Bring the layer back to ``state`` (which stays valid for later restores)."""
+        if not isinstance(state, LayerState) or state.layer_type is not type(self):
+            raise TypeError(
+                f"Cannot restore a {type(self).__name__} from {state!r}: pass a state this layer's snapshot() made."
+            )
+        for name in [n for n in vars(self) if n not in self._TRANSIENT_FIELDS and n not in state.fields]:
+            delattr(self, name)
+        for name, value in state.fields.items():
+            setattr(self, name, self._restore_field(name, value) if name in self._COPIED_FIELDS else value)
+        self._reset_transient()
 
     @property
     def has_evictions(self) -> bool:
+        """True when a pair was evicted (reads ``n_evicted``: on an accelerator, this waits for the device)."""
         return self.n_evicted is not None and bool(self.n_evicted.any())
 
     @property
@@ -141,18 +293,45 @@ class _MaskedStorage(PrunableLayer):
     """Dense storage plus a ``keep`` mask aligned with the stored keys.
 
     Works on top of both ``DynamicLayer`` and ``DynamicSlidingWindowLayer``: the stored pairs always cover the
-    absolute positions ``seen - stored .. seen - 1``, whatever the parent class drops.
+    absolute positions ``seen - stored .. seen - 1``, whatever the parent class drops. Every mutation replaces
+    tensors instead of writing into them, so a snapshot shares them all.
     """
 
     keep: torch.Tensor | None
     _attn_keep: torch.Tensor | None
 
+    _SHARED_FIELDS = PrunableLayer._SHARED_FIELDS | {"keep", "_evict_called"}
+    # _attn_keep: the keep mask of what this forward's update returned, read by attend in the same forward.
+    _TRANSIENT_FIELDS = PrunableLayer._TRANSIENT_FIELDS | {"_attn_keep"}
+
     def _init_masked(self) -> None:
         self._init_prunable()
         self.keep = None
         self._attn_keep = None
+        # Host-side: evict has been called on a non-empty range. Attention then goes through the keep mask, so
+        # that no forward has to read n_evicted from the device to know whether a pair was evicted.
+        self._evict_called = False
+
+    @property
+    def reads_own_storage(self) -> bool:
+        return self._evict_called
+
+    def _needs_press(self) -> bool:
+        return self.has_evictions  # outside a press: reading the device is fine
+
+    def held_objects(self) -> list[Any]:
+        return [*super().held_objects(), self.keys, self.values, self.keep, self._attn_keep]
+
+    def end_forward(self) -> None:
+        super().end_forward()
+        self._attn_keep = None
+
+    def _reset_transient(self) -> None:
+        super()._reset_transient()
+        self._attn_keep = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self._check_bound()
         bsz, n_heads, q_len, _ = key_states.shape
         if self.keep is None:
             self.keep = torch.ones(bsz, n_heads, 0, dtype=torch.bool, device=key_states.device)
@@ -170,7 +349,8 @@ class _MaskedStorage(PrunableLayer):
     def evict(self, start: int, mask: torch.Tensor) -> None:
         """Evict pairs at absolute positions ``start + j`` where ``mask[b, h, j]`` is True.
 
-        Positions no longer stored (slid out of a sliding-window layer) are ignored.
+        Positions no longer stored (slid out of a sliding-window layer) are ignored. Nothing is read back from
+        the device.
         """
         n = mask.shape[-1]
         if n == 0:
@@ -186,6 +366,7 @@ class _MaskedStorage(PrunableLayer):
         # Out of place on purpose: snapshots share tensors with the live cache.
         self.keep = torch.cat([self.keep[..., :lo], window & ~mask, self.keep[..., hi:]], dim=-1)
         self.n_evicted = self.n_evicted + newly.sum(-1)
+        self._evict_called = True
 
     def kept_counts(self) -> torch.Tensor:
         return self.keep.sum(-1)
@@ -228,16 +409,6 @@ class _MaskedStorage(PrunableLayer):
             self.keep = self.keep.index_select(0, beam_idx.to(self.keep.device))
             self.n_evicted = self.n_evicted.index_select(0, beam_idx.to(self.keep.device))
 
-    # Every mutation above replaces tensors instead of writing into them, so a snapshot is a shallow copy.
-    def snapshot(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["press_state"] = dict(self.press_state)
-        return state
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.press_state = dict(state["press_state"])
-
 
 class MaskedLayer(_MaskedStorage, DynamicLayer):
     """A full-attention ``DynamicLayer`` whose evicted pairs are masked out per KV head."""
@@ -275,8 +446,9 @@ def prunable_layer_like(layer: Any) -> PrunableLayer:
     )
 
 
-def snapshot_cache(cache: Cache) -> list[dict[str, Any]]:
-    """Cheap checkpoint of a dynamic cache (its tensors are shared, never copied)."""
+def snapshot_cache(cache: Cache) -> list[Any]:
+    """Cheap checkpoint of a dynamic cache: what each layer needs for a restore, its tensors shared, never
+    copied (prunable layers give a :class:`LayerState`)."""
     states = []
     for layer in cache.layers:
         if isinstance(layer, PrunableLayer):
@@ -291,7 +463,7 @@ def snapshot_cache(cache: Cache) -> list[dict[str, Any]]:
     return states
 
 
-def restore_cache(cache: Cache, states: list[dict[str, Any]]) -> None:
+def restore_cache(cache: Cache, states: list[Any]) -> None:
     """Bring a cache back to a :func:`snapshot_cache` checkpoint (layers added since are dropped)."""
     del cache.layers[len(states) :]
     for layer, state in zip(cache.layers, states, strict=True):
@@ -305,17 +477,24 @@ class KVBytes(NamedTuple):
     """Bytes of a cache's keys and values."""
 
     kept: int  # pairs attention can see
-    physical: int  # memory allocated for them (dense masked storage holds evicted pairs too)
+    physical: int  # memory the layers hold: storage, bookkeeping (host tables included) and press state
     full: int  # the same tokens without any eviction
 
 
 def kv_bytes(cache: Cache) -> KVBytes:
-    """Kept, physically allocated and unpruned bytes of the keys and values of ``cache``."""
+    """Kept, held and unpruned bytes of the keys and values of ``cache``.
+
+    ``physical`` counts every tensor storage (whole, once) and numpy array that a prunable layer holds: its
+    storage (compact: the block pool with positions, bias and owners; masked: the dense pairs and the mask), its
+    host-side tables, ``n_evicted``, and the press's per-sequence state (pending scores, buffered hidden states,
+    keys and values of tokens waiting in the window).
+    """
     kept = physical = full = 0
     for layer in cache.layers:
-        if hasattr(layer, "physical_bytes"):  # compact storage accounts for itself
+        if isinstance(layer, PrunableLayer):
+            physical += _tensor_bytes(layer.held_objects())
+        if hasattr(layer, "kept_bytes"):  # compact storage counts its kept and full pairs itself
             kept += layer.kept_bytes()
-            physical += layer.physical_bytes()
             full += layer.full_bytes()
             continue
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
@@ -323,10 +502,10 @@ def kv_bytes(cache: Cache) -> KVBytes:
         bsz, n_heads, stored, head_dim = layer.keys.shape
         pair_bytes = 2 * head_dim * layer.keys.element_size()
         dense = bsz * n_heads * stored * pair_bytes
-        physical += dense + (layer.keep.numel() if isinstance(layer, _MaskedStorage) else 0)
         full += dense
-        if isinstance(layer, PrunableLayer) and layer.n_evicted is not None:
+        if isinstance(layer, PrunableLayer):
             kept += int(layer.kept_counts().sum()) * pair_bytes
         else:
+            physical += dense
             kept += dense
     return KVBytes(kept, physical, full)

@@ -108,11 +108,17 @@ def test_snapshot_restore_undoes_updates_evictions_and_press_state():
 def test_kv_bytes_counts_kept_pairs():
     cache = DynamicCache()
     cache.layers.append(MaskedLayer())
-    _fill(cache.layers[0], length=10, d=4)
-    cache.layers[0].evict(0, torch.ones(1, 2, 5, dtype=torch.bool))
+    layer = cache.layers[0]
+    _fill(layer, length=10, d=4)
+    layer.evict(0, torch.ones(1, 2, 5, dtype=torch.bool))
+    # Within the forward, the layer also holds the new pairs (the press reads them) ...
+    assert kv_bytes(cache).physical == 2 * (2 * 10 * 2 * 4 * 4) + 2 * 10 + 2 * 10 + 2 * 8
+    layer.end_forward()
+    layer.press_state["pending"] = torch.zeros(1, 2, 3)
     kept, physical, full = kv_bytes(cache)
     assert full == 2 * 10 * 2 * 4 * 4 and kept == full // 2
-    assert physical == full + 2 * 10  # masked storage keeps every pair, plus its keep mask
+    # ... after it: every pair (masked storage), the keep mask, n_evicted and the press's state.
+    assert physical == full + 2 * 10 + 2 * 8 + 2 * 3 * 4
 
 
 def test_unprunable_layers_are_refused():

@@ -56,7 +56,7 @@ def test_compact_and_masked_give_the_same_logits(family, batch):
         if isinstance(compact, CompactLayer):
             assert torch.equal(compact.kept_counts(), compact.seen - compact.n_evicted)
             stored = torch.tensor(
-                [[compact._n[b * compact._heads + h] for h in range(compact._heads)] for b in range(batch)]
+                [[compact.table.n[b * compact._heads + h] for h in range(compact._heads)] for b in range(batch)]
             )
             assert torch.equal(stored, compact.kept_counts())
 
@@ -103,9 +103,13 @@ def test_physical_bytes_follow_kept_pairs():
     assert bool((cap >= kept).all()) and bool((cap - kept < bs).all())
     # The pool: the heads' blocks plus a few unused ones; per slot a key, a value, a position and a bias.
     assert layer.num_blocks * bs >= int(cap.sum()) and layer.num_blocks <= int(cap.sum()) // bs * 33 // 32 + 4
-    pool = layer.num_blocks * bs * (pair_bytes + 4 + 4)  # int32 position, fp32 bias
-    slot_map = layer._slot.nbytes  # host-side, int32
-    assert pool + slot_map < layer.physical_bytes() < pool + slot_map + 4096
+    pool = layer.num_blocks * (bs * (pair_bytes + 4 + 4) + 8)  # int32 position, fp32 bias, int64 owner per block
+    slot_map = layer.table.slot.nbytes  # host-side, int32
+    state = layer.press_state  # scores of the window's tokens, and the buffered new pairs not scored yet
+    press = [state["pending"], *(t for entry in state["unscored"] for t in entry)]
+    press_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in press}.values())
+    assert press_bytes > 0
+    assert layer.physical_bytes() == pool + slot_map + press_bytes + layer.n_evicted.numel() * 8
     assert layer.physical_bytes() < 0.6 * layer.full_bytes()  # ~70% pruned
 
 
@@ -118,12 +122,16 @@ def test_freed_slots_are_reused_during_decoding():
     with torch.no_grad(), press(model):
         model(random_ids(1, 30), **{kw: cache})
         layer = cache.layers[0]
-        pool = (layer._kb.data_ptr(), layer._vb.data_ptr(), layer.num_blocks)
+        pool = (layer.pool.keys.data_ptr(), layer.pool.values.data_ptr(), layer.num_blocks)
         counts, caps = layer.kept_counts(), layer.capacities()
         for step in range(10):
             model(random_ids(1, 1, seed=step), **{kw: cache})
             assert torch.equal(layer.kept_counts(), counts) and torch.equal(layer.capacities(), caps)
-    assert (layer._kb.data_ptr(), layer._vb.data_ptr(), layer.num_blocks) == pool  # no reallocation, no copy
+    assert (
+        layer.pool.keys.data_ptr(),
+        layer.pool.values.data_ptr(),
+        layer.num_blocks,
+    ) == pool  # no reallocation, no copy
     assert counts.tolist() == [[4, 4]] and layer.seen == 40
     assert sorted(layer.stored_pairs(0, 0)[2].tolist()) == [36, 37, 38, 39]
 
@@ -132,19 +140,21 @@ def test_evicted_slots_are_reused_by_the_next_append_without_moving_pairs():
     layer = CompactLayer(block_size=4)
     keys = torch.randn(1, 2, 10, 8)
     layer.update(keys, -keys)  # 3 blocks per head, 10 of 12 slots used
-    slot = int(layer._slot[0, 3])
-    before = layer._kb.clone()
-    layer.evict(3, torch.tensor([[[True], [False]]]))
+    layer.end_forward()  # the forward ends: the prefill's pairs go into the pool
+    slot = int(layer.table.slot[0, 3])
+    before = layer.pool.keys.clone()
+    layer.evict(3, torch.tensor([[[True], [False]]]))  # on the device; kept_counts() brings the table up to date
     assert layer.kept_counts().tolist() == [[9, 10]] and layer.capacities().tolist() == [[12, 12]]
-    assert torch.equal(layer._kb, before)  # nothing moved: the slot is only marked free
+    assert torch.equal(layer.pool.keys, before)  # nothing moved: the slot is only marked free
     new = torch.randn(1, 2, 1, 8)
     layer.update(new, -new)
-    assert int(layer._slot[0, 10]) == slot  # head 0's new pair fills the hole
-    assert torch.equal(layer._kb.view(-1, 8)[slot], new[0, 0, 0])
+    assert int(layer.table.slot[0, 10]) == slot  # head 0's new pair fills the hole
+    assert torch.equal(layer.pool.keys.view(-1, 8)[slot], new[0, 0, 0])
     assert layer.kept_counts().tolist() == [[10, 11]] and layer.capacities().tolist() == [[12, 12]]
     assert sorted(layer.stored_pairs(0, 0)[2].tolist()) == [0, 1, 2, 4, 5, 6, 7, 8, 9, 10]
     # A multi-token step uses the holes first, then fresh slots (and blocks).
     layer.evict(5, torch.tensor([[[True], [True]]]))
+    layer.sync()  # holes are reused once the table has caught up with the device (at most 16 evictions later)
     layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
     assert layer.kept_counts().tolist() == [[12, 13]] and layer.capacities().tolist() == [[12, 16]]
     assert sorted(layer.stored_pairs(0, 1)[2].tolist()) == [p for p in range(14) if p != 5]
@@ -153,10 +163,12 @@ def test_evicted_slots_are_reused_by_the_next_append_without_moving_pairs():
 def test_holes_that_pile_up_are_packed_away():
     layer = CompactLayer(block_size=4)
     layer.update(torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8))
+    layer.end_forward()
     for position in range(5):  # 5 holes in head 0, none refilled: more than a block, so the pool is repacked
         layer.evict(position, torch.tensor([[[True], [False]]]))
+    layer.sync()  # the table learns of the device evictions (done by itself every 16 of them)
     assert layer.kept_counts().tolist() == [[35, 40]] and layer.capacities().tolist() == [[36, 40]]
-    assert all(not holes for holes in layer._holes)
+    assert all(not holes for holes in layer.table.holes)
     assert sorted(layer.stored_pairs(0, 0)[2].tolist()) == list(range(5, 40))
 
 
@@ -222,23 +234,24 @@ def test_without_evictions_compact_reads_its_own_storage_after_the_prefill():
 
 def _check_bookkeeping(layer: CompactLayer, stored: dict[int, dict[int, torch.Tensor]]) -> None:
     """The host-side tables against a plain model of what each head stores (position -> key)."""
-    bs, d = layer.block_size, layer._kb.shape[-1]
-    used = sorted(b for blocks in layer._blocks for b in blocks)
-    assert used == list(range(layer._n_used)) and layer._n_used <= layer.num_blocks  # used blocks: a prefix
-    live = layer._bias.view(-1) == 0
-    assert int(live.sum()) == sum(layer._n)
+    layer.sync()
+    bs, d = layer.block_size, layer.pool.keys.shape[-1]
+    used = sorted(b for blocks in layer.table.blocks for b in blocks)
+    assert used == list(range(layer.table.n_used)) and layer.table.n_used <= layer.num_blocks  # used blocks: a prefix
+    live = layer.pool.bias.view(-1) == 0
+    assert int(live.sum()) == sum(layer.table.n)
     for i in range(layer._nh):
-        own = {b * bs + j for b in layer._blocks[i] for j in range(bs)}
-        assert bool((layer._owner[layer._blocks[i]] == i).all()) if layer._blocks[i] else True
+        own = {b * bs + j for b in layer.table.blocks[i] for j in range(bs)}
+        assert bool((layer.pool.owner[layer.table.blocks[i]] == i).all()) if layer.table.blocks[i] else True
         expected = stored[i]
-        assert layer._n[i] == len(expected) and layer._end[i] <= len(layer._blocks[i]) * bs
-        for hole in layer._holes[i]:
+        assert layer.table.n[i] == len(expected) and layer.table.end[i] <= len(layer.table.blocks[i]) * bs
+        for hole in layer.table.holes[i]:
             assert hole in own and not bool(live[hole])
-        assert sorted(int(p) for p in (layer._slot[i] >= 0).nonzero()[0]) == sorted(expected)
+        assert sorted(int(p) for p in (layer.table.slot[i] >= 0).nonzero()[0]) == sorted(expected)
         for position, key in expected.items():
-            slot = int(layer._slot[i, position])
-            assert slot in own and bool(live[slot]) and int(layer._pb.view(-1)[slot]) == position
-            assert torch.equal(layer._kb.view(-1, d)[slot], key)
+            slot = int(layer.table.slot[i, position])
+            assert slot in own and bool(live[slot]) and int(layer.pool.positions.view(-1)[slot]) == position
+            assert torch.equal(layer.pool.keys.view(-1, d)[slot], key)
 
 
 @settings(max_examples=60, deadline=None)
