@@ -245,8 +245,11 @@ class BasePress(ABC):
             return None
         layer, prefill = call
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
-        if self.process_layer(module, layer, hidden_states, prefill) is not False:
-            self._record(_compat.layer_index(module), layer)
+        try:
+            if self.process_layer(module, layer, hidden_states, prefill) is not False:
+                self._record(_compat.layer_index(module), layer)
+        finally:
+            layer.end_forward()  # the forward's dense pairs go now, even if the press failed
         return None
 
     @staticmethod
