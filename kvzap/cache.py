@@ -492,6 +492,7 @@ def kv_bytes(cache: Cache) -> KVBytes:
     kept = physical = full = 0
     for layer in cache.layers:
         if isinstance(layer, PrunableLayer):
+            layer._settle()  # pending writes and catch-ups first: what the layer holds from now on
             physical += _tensor_bytes(layer.held_objects())
         if hasattr(layer, "kept_bytes"):  # compact storage counts its kept and full pairs itself
             kept += layer.kept_bytes()

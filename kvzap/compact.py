@@ -389,7 +389,6 @@ class CompactLayer(PrunableLayer, DynamicLayer):
 
     def held_objects(self) -> list[Any]:
         """Pool tensors, host slot map, placeholders, pending dense pairs and evictions, and the base's."""
-        pending = [f for _, _, f in self._freed]
         return [
             *super().held_objects(),
             *self.pool.tensors(),
@@ -397,7 +396,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             self.keys,
             self.values,
             self._dense,
-            pending,
+            self._freed,
         ]
 
     def physical_bytes(self) -> int:

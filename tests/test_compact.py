@@ -297,3 +297,113 @@ def test_block_tables_slot_map_and_holes_stay_consistent(ops):
                 stored[i] = {p: k for p, k in stored[i].items() if p < layer.seen}
         _check_bookkeeping(layer, stored)
     assert torch.equal(layer.kept_counts().view(-1), torch.tensor([len(stored[i]) for i in range(bsz * heads)]))
+
+
+@pytest.mark.parametrize("storage", ["compact", "masked"])
+def test_a_pruned_cache_refuses_use_outside_the_press_and_works_again_inside(storage):
+    model = tiny_model("llama")
+    kw = _compat.cache_kwarg_name(model)
+    cache, press = DynamicCache(config=model.config), _press(storage=storage)
+    with torch.no_grad(), press(model):
+        model(random_ids(1, 30), **{kw: cache})
+    assert press.compression_ratio > 0
+    before = [(layer.seen, layer.n_evicted.clone()) for layer in cache.layers]
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"inside `with press\(model\):`, or start a new cache"):
+        model(random_ids(1, 1, seed=3), **{kw: cache})
+    # Refused before any change: the cache continues inside the press as if nothing had happened.
+    assert [(layer.seen, layer.n_evicted.tolist()) for layer in cache.layers] == [
+        (seen, n.tolist()) for seen, n in before
+    ]
+    reference = DynamicCache(config=model.config)
+    with torch.no_grad(), _press(storage=storage)(model):
+        model(random_ids(1, 30), **{kw: reference})
+        expected = model(random_ids(1, 1, seed=3), **{kw: reference}).logits
+    with torch.no_grad(), press(model):
+        got = model(random_ids(1, 1, seed=3), **{kw: cache}).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_a_masked_cache_with_nothing_evicted_keeps_working_outside_the_press():
+    model = tiny_model("llama")
+    kw = _compat.cache_kwarg_name(model)
+    cache, press = DynamicCache(config=model.config), _press(threshold=float("-inf"), storage="masked")
+    with torch.no_grad(), press(model):
+        model(random_ids(1, 30), **{kw: cache})
+    with torch.no_grad():
+        got = model(random_ids(1, 1, seed=3), **{kw: cache}).logits
+        plain = DynamicCache(config=model.config)
+        model(random_ids(1, 30), **{kw: plain})
+        expected = model(random_ids(1, 1, seed=3), **{kw: plain}).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("storage", ["compact", "masked"])
+def test_no_dense_pairs_outlive_the_forward_and_snapshots_hold_only_their_state(storage):
+    model = tiny_model("gemma3_text")  # a sliding and a full-attention layer
+    cache = DynamicCache(config=model.config)
+    logits = _steps(model, _press(storage=storage), cache, batch=1, prefill=60, n_decode=3)
+    assert len(logits) == 5
+    for layer in cache.layers:
+        assert layer.last_keys is None and layer.last_values is None
+        assert getattr(layer, "_dense", None) is None
+        # Every attribute is either in the snapshot (shared or copied) or declared transient.
+        assert layer.unclassified_fields() == set()
+        state = layer.snapshot()
+        assert not set(state.fields) & layer._TRANSIENT_FIELDS
+        assert set(state.fields) == set(vars(layer)) - layer._TRANSIENT_FIELDS
+        assert state.fields["press_state"] is not layer.press_state
+    compact = [layer for layer in cache.layers if isinstance(layer, CompactLayer)]
+    assert (storage == "compact") == bool(compact)
+    for layer in compact:  # the pool is shared with the snapshot, the table copied
+        state = layer.snapshot()
+        assert state.fields["pool"].keys is layer.pool.keys and state.fields["table"] is not layer.table
+
+
+def test_a_new_attribute_must_be_declared_before_a_snapshot():
+    layer = _filled()
+    layer.scratch = torch.zeros(3)
+    with pytest.raises(RuntimeError, match="scratch"):
+        layer.snapshot()
+
+
+def _reachable_bytes(root) -> int:
+    """Bytes of every tensor storage and numpy array reachable from ``root`` through attributes, dicts, lists and
+    tuples, each storage once (asks nothing of kvzap)."""
+    import numpy as np
+
+    seen_objects, storages, total, stack = set(), set(), 0, [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen_objects:
+            continue
+        seen_objects.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in storages:  # (empty storages share addresses)
+                storages.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(obj, np.ndarray):
+            total += obj.nbytes
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            stack.extend(vars(obj).values())
+    return total
+
+
+@pytest.mark.parametrize("storage", ["compact", "masked"])
+def test_memory_reachable_from_the_cache_is_what_kv_bytes_reports(storage):
+    from kvzap.cache import kv_bytes
+
+    model = tiny_model("llama", hidden_size=256)  # head_dim 64, as in SmolLM2: bookkeeping per pair to scale
+    cache = DynamicCache(config=model.config)
+    _steps(model, _press(threshold=0.7, storage=storage), cache, batch=1, prefill=2000, question=20, n_decode=20)
+    kept, physical, full = kv_bytes(cache)
+    outside = _reachable_bytes(cache)
+    assert outside == physical  # the library's accounting misses nothing the cache holds
+    if storage == "compact":
+        assert kept / full < 0.4 and outside <= kept + 0.05 * full
+    else:  # the full cache, its mask and the press state
+        assert outside <= full + 0.05 * full
