@@ -51,16 +51,20 @@ def measure(model, prompt: torch.Tensor, mode: str, baseline: dict[int, int], ar
     n = prompt.shape[1]
     with press(model) if press else contextlib.nullcontext(), LayerExitSampler(model) as sampler:
         logits = model(prompt, logits_to_keep=1, **{kw: cache}).logits
-    row = {"mode": mode, "prefill_tokens": n, "full_bytes_prefill": full_cache_bytes(model.config, n)}
+    row = {
+        "mode": mode,
+        "prefill_tokens": n,
+        "full_bytes_prefill": full_cache_bytes(model.config, n, dtype=model.dtype),
+    }
     row["evicted_after_prefill"] = press.compression_ratio if press else 0.0
     row["held_after_prefill"] = reachable_bytes(cache, weights).total
     row["prefill_peak_extra"] = max(b - baseline[i] for i, b in sampler.samples)
     token = logits[:, -1:].argmax(-1)
     with press(model) if press else contextlib.nullcontext():
         for step in range(args.decode):
-            position = torch.tensor([[n + step]])
+            position = torch.tensor([[n + step]], device=model.device)
             token = model(token, position_ids=position, **{kw: cache}).logits[:, -1:].argmax(-1)
-    row["full_bytes_decode"] = full_cache_bytes(model.config, n + args.decode)
+    row["full_bytes_decode"] = full_cache_bytes(model.config, n + args.decode, dtype=model.dtype)
     row["evicted_after_decode"] = press.compression_ratio if press else 0.0
     row["held_after_decode"] = reachable_bytes(cache, weights).total
     return row
@@ -74,7 +78,7 @@ def peak_rss(args, mode: str) -> tuple[list[float], list[float]]:
             out = Path(tmp) / "peak.json"
             cmd = [sys.executable, "-m", "benchmarks.bench_decode", "--prefill", str(args.rss_prompt)]
             cmd += ["--decode", str(args.rss_decode), "--threshold", str(args.threshold), "--peak-memory", mode]
-            cmd += ["--threads", str(args.threads), "--json", str(out)]
+            cmd += ["--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype, "--json", str(out)]
             if args.model:
                 cmd += ["--model", args.model]
             if args.surrogate:
@@ -96,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threshold", type=float, default=0.44)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (live tensors are counted on every device)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--rss-runs", type=int, default=5, help="fresh processes per mode for peak RSS (0: skip)")
     parser.add_argument("--rss-prompt", type=int, default=8192)
     parser.add_argument("--rss-decode", type=int, default=256)
@@ -103,10 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, args.device, args.dtype)
     results = []
     for n in args.prefill:
-        prompt = prompt_ids(tokenizer, n, model.config.vocab_size)
+        prompt = prompt_ids(tokenizer, n, model.config.vocab_size).to(model.device)
         with torch.no_grad(), LayerExitSampler(model) as base:
             model(prompt, use_cache=False, logits_to_keep=1)
         baseline = base.by_layer()
@@ -127,13 +133,15 @@ def main(argv: list[str] | None = None) -> None:
             rss[mode] = {"runs_mb": runs, "median_mb": statistics.median(runs), "evicted_share": evicted}
     setup = meta(
         tool="kvzap",
+        device=args.device,
+        dtype=args.dtype,
         model=args.model or "random Llama, SmolLM2-135M sizes",
         threshold=args.threshold,
         decode_tokens=args.decode,
         num_layers=model.config.num_hidden_layers,
         rss_prompt=args.rss_prompt,
         rss_decode=args.rss_decode,
-        rss_full_bytes=full_cache_bytes(model.config, args.rss_prompt + args.rss_decode),
+        rss_full_bytes=full_cache_bytes(model.config, args.rss_prompt + args.rss_decode, dtype=model.dtype),
     )
     write_results(args.json, setup, results)
     if args.json and rss:
