@@ -22,8 +22,8 @@ import argparse
 import torch
 
 from benchmarks.common import load, meta, prefill_and_decode, sweep, write_results
+from benchmarks.outside import model_storage_keys, reachable_bytes
 from kvzap import DMSThresholdPress, KVzapScorer, RandomScorer
-from kvzap.cache import kv_bytes
 
 MODES = ("none", "masked", "compact")
 
@@ -42,7 +42,8 @@ def one_run(model, mode: str, prompt: torch.Tensor, args) -> dict[str, float]:
         prompt,
         args.decode,
         press(model) if press else None,
-        kv_bytes=lambda c: kv_bytes(c).physical,
+        # Measured from outside: every tensor storage and array reachable from the cache (weights excluded).
+        kv_bytes=lambda c: reachable_bytes(c, model_storage_keys(model)).total,
         chunk_size=args.prefill_chunk,
         prefilling=press.prefilling if press else None,
     )

@@ -12,6 +12,7 @@ import argparse
 import torch
 
 from benchmarks.common import load, meta, prefill_and_decode, sweep, write_results
+from benchmarks.outside import model_storage_keys, reachable_bytes
 
 MODES = ("none", "kvpress")
 
@@ -32,14 +33,17 @@ def make_press(args, model):
     return kvpress.DMSPress(scorer, threshold=args.threshold, sliding_window_size=args.window, decoding=args.decoding)
 
 
-def dense_bytes(cache) -> int:
-    """kvpress keeps every pair (evicted keys are overwritten with fake keys), so the cache is dense."""
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-
-
 def one_run(model, mode, prompt, args):
     press = make_press(args, model) if mode == "kvpress" else None
-    out, _ = prefill_and_decode(model, prompt, args.decode, press(model) if press else None, kv_bytes=dense_bytes)
+    # kvpress keeps every pair (evicted keys are overwritten with fake keys): measured from outside like kvzap.
+    weights = model_storage_keys(model)
+    out, _ = prefill_and_decode(
+        model,
+        prompt,
+        args.decode,
+        press(model) if press else None,
+        kv_bytes=lambda c: reachable_bytes(c, weights).total,
+    )
     out["evicted_share"] = float(press.compression_ratio) if press else 0.0
     return out
 

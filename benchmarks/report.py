@@ -50,7 +50,11 @@ def report(directory: Path) -> str:
             )
     inf = _load(directory, "kvzap_no_eviction.json")
     if inf:
-        lines += ["", "Threshold -inf (nothing can be evicted: nothing is scored; compact layers still read their blocks):", ""]
+        lines += [
+            "",
+            "Threshold -inf (nothing can be evicted: nothing is scored; compact layers still read their blocks):",
+            "",
+        ]
         for r in inf["results"]:
             speed = r["compact_decode_tok_s"] / r["none_decode_tok_s"]
             lines.append(
@@ -59,11 +63,12 @@ def report(directory: Path) -> str:
                 f"{r['compact_prefill_s'] / r['none_prefill_s']:.2f}x"
             )
     peaks = {mode: _load(directory, f"peak_{mode}.json") for mode in ("none", "compact", "compact_chunked", "kvpress")}
-    if peaks["none"] and peaks["compact"]:
+    if any(peaks.values()):
         rows = {mode: peak["results"][0] for mode, peak in peaks.items() if peak}
         lines += [
             "",
-            "Peak process memory (max RSS), 8k-token prefill + 256 decoded tokens, one fresh process each:",
+            "Peak process memory (max RSS), 8k-token prefill + 256 decoded tokens, one fresh process each (KV measured "
+            "from outside):",
             "",
             "| run | peak RSS (MB) | KV after decoding (MB) |",
             "|---|---|---|",
@@ -77,6 +82,44 @@ def report(directory: Path) -> str:
         }
         for mode, row in rows.items():
             lines.append(f"| {names[mode]} | {row['peak_rss_mb']:.0f} | {row['kv_bytes_after_decode'] / MB:.0f} |")
+    memory = _load(directory, "memory.json")
+    if memory:
+        m = memory["meta"]
+        n_layers = m["num_layers"]
+        lines += [
+            "",
+            f"KV memory measured from outside (`bench_memory.py`: tensor storages reachable from the cache; live "
+            f"tensors at every layer's exit during the prefill, minus the same forward without a cache), threshold "
+            f"{m['threshold']}, {m['decode_tokens']} decoded tokens; goals: held <= kept share + 0.05, prefill peak "
+            f"<= kept share + 1/{n_layers} + 0.05 (compact):",
+            "",
+            "| context | storage | evicted | held after prefill / full | prefill peak / full (goal) "
+            "| held after decoding / full |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in memory["results"]:
+            full, kept = r["full_bytes_prefill"], 1 - r["evicted_after_prefill"]
+            goal = f" ({kept + 1 / n_layers + 0.05:.3f})" if r["mode"] == "compact" else ""
+            lines.append(
+                f"| {r['prefill_tokens']} | {r['mode']} | {r['evicted_after_prefill']:.1%} "
+                f"| {r['held_after_prefill'] / full:.3f} ({r['held_after_prefill'] / MB:.0f} of {full / MB:.0f} MB) "
+                f"| {r['prefill_peak_extra'] / full:.3f}{goal} "
+                f"| {r['held_after_decode'] / r['full_bytes_decode']:.3f} |"
+            )
+        rss = memory.get("peak_rss")
+        if rss:
+            full = m["rss_full_bytes"]
+            evicted = sum(rss["compact"]["evicted_share"]) / len(rss["compact"]["evicted_share"])
+            saved = rss["none"]["median_mb"] - rss["compact"]["median_mb"]
+            goal = 0.8 * evicted * full / MB
+            lines += [
+                "",
+                f"Peak RSS of {m['rss_prompt']}-token prefill + {m['rss_decode']} decoded tokens, median of "
+                f"{len(rss['none']['runs_mb'])} fresh processes per mode: no press {rss['none']['median_mb']:.0f} MB "
+                f"({', '.join(f'{v:.0f}' for v in rss['none']['runs_mb'])}), kvzap compact "
+                f"{rss['compact']['median_mb']:.0f} MB ({', '.join(f'{v:.0f}' for v in rss['compact']['runs_mb'])}), "
+                f"{evicted:.1%} evicted: **{saved:.0f} MB lower** (goal: >= 0.8 x evicted x full KV = {goal:.0f} MB).",
+            ]
     scorers = _load(directory, "scorers.json")
     if scorers:
         m = scorers["meta"]

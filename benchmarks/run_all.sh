@@ -22,11 +22,10 @@ common=(--model "$MODEL" --threads "$THREADS")
     --modes none compact --json "$OUT/kvzap_no_eviction.json"
 "$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 64 --runs "$KVPRESS_RUNS" \
     --json "$OUT/kvpress.json"
-# Peak process memory: one fresh process per mode, 8k prefill + 256 decoded tokens.
-for mode in none compact; do
-    "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \
-        --peak-memory "$mode" --json "$OUT/peak_$mode.json"
-done
+# KV memory from outside (held by the cache, prefill peak at every layer's exit) and peak RSS of 8k prefill + 256
+# decoded tokens, median of 5 fresh processes per mode (none, compact).
+"$PY" -m benchmarks.bench_memory "${common[@]}" --prefill 2048 8192 --threshold="$TAU" --decode 64 --rss-runs 5 \
+    --json "$OUT/memory.json"
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \
     --peak-memory compact --prefill-chunk 1024 --json "$OUT/peak_compact_chunked.json"
 "$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \

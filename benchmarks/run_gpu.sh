@@ -16,5 +16,8 @@ nvidia-smi -L || true
     --json "$OUT/decode_fp32.json"
 "$PY" -m benchmarks.bench_decode --device cuda --dtype bfloat16 --prefill 8192 32768 --decode 64 --runs 3 \
     --modes none compact --json "$OUT/decode_bf16.json"
+# KV memory from outside (storages reachable from the cache, live tensors at every layer's exit), no RSS runs.
+"$PY" -m benchmarks.bench_memory --device cuda --prefill 8192 32768 --decode 64 --rss-runs 0 \
+    --json "$OUT/memory.json"
 "$PY" -m benchmarks.bench_decode --device cuda --prefill 32768 --threshold=-inf --decode 64 --runs 3 \
     --modes none compact --json "$OUT/decode_no_eviction.json"
