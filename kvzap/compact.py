@@ -29,10 +29,11 @@ split the same way (:mod:`kvzap.paged`):
 - **Evict** of a few positions (decoding: the token leaving the sliding window) happens on the device: the
   host knows which slot holds each position (it chose the slots), so the eviction sets the bias of those slots
   to -inf where the mask says so, and adds to ``n_evicted``, without reading the mask. The host's table
-  catches up once every :data:`_SYNC_EVERY` such evictions (one device read), or when a repack, crop, reorder
-  or snapshot needs it: the slots freed become holes then. Larger evictions (a question's, a prefill chunk's)
-  read the mask and repack the pool, trimmed to the live pairs plus about 1.5%; so do holes piling up (more
-  than a block, and more than 1/32 of the live pairs).
+  catches up once every :data:`_SYNC_EVERY` such evictions (one device read), after an eviction of more than
+  :data:`_HOLES_MAX` positions (a question's, a prefill chunk's), or when a crop, reorder or snapshot needs it:
+  the slots freed become holes then. Holes piling up (more than a block, and more than 1/32 of the live pairs)
+  repack the pool, trimmed to the blocks in use, except while a snapshot shares it (the pipeline's
+  checkpoint): a repack would then hold two pools, so the holes stay dead slots until the snapshot is gone.
 - **Attention** reads the used blocks (always a prefix of the pool) as a batch; causal masks of multi-token
   steps come from the stored positions, so they are exact whatever was evicted.
 
@@ -65,8 +66,7 @@ DEFAULT_BLOCK_SIZE = 64
 # that (slots x query rows) stays below this (16M floats, 64 MB in fp32).
 _ATTEND_SCRATCH = 1 << 24
 
-# Evictions of at most this many positions per call are applied on the device (decoding); more read the mask
-# and repack the pool.
+# Evictions of more than this many positions per call (not decoding's) are reported to the host table at once.
 _HOLES_MAX = 4
 
 # Device evictions between two catch-ups of the host table (each catch-up is one device-to-host read).
@@ -135,7 +135,9 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         positions = np.concatenate([p for _, p, _ in self._freed])
         self._freed = []
         self.table.forget(heads[freed], positions[freed], as_holes=True)
-        if self.table.holes_pile_up():
+        # While a snapshot shares the pool, holes stay dead slots: packing them away (or refilling one) would copy
+        # the pool, and the snapshot keeps the old one alive. The pool then grows by the new tokens only.
+        if self.table.holes_pile_up() and not self.pool.kv_shared:
             self._repack()
 
     def _write_dense(self, keep: np.ndarray | None) -> None:
@@ -154,11 +156,10 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._pack(plan, keys[index[0], index[1], j], values[index[0], index[1], j])
 
     def _pack(self, plan: PackPlan, kept_keys: torch.Tensor, kept_values: torch.Tensor) -> None:
-        """Rebuild the pool from a plan and its gathered pairs ``(N, d)``, with about 1.5% spare blocks."""
+        """Rebuild the pool from a plan and its gathered pairs ``(N, d)``, trimmed to the blocks in use (each head's
+        last block has room for about half a block of new pairs; the pool grows when a head needs more)."""
         used = int(plan.n_blocks.sum())
-        self.pool.pack(
-            kept_keys, kept_values, plan.dst, plan.positions, plan.owner, used + used // 64 + 1, len(plan.counts)
-        )
+        self.pool.pack(kept_keys, kept_values, plan.dst, plan.positions, plan.owner, used, len(plan.counts))
         self.table.adopt(plan, self.seen)
 
     def _repack(self, rows: list[int] | None = None) -> None:
@@ -218,7 +219,8 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             total = self.table.n_used + len(needing)
             if total > self.pool.num_blocks:
                 old = self.pool.num_blocks
-                self.pool.grow(max(total, old + old // 32 + nh), free_owner=nh)
+                # Geometric growth (amortised O(1) per pair), by at least a block.
+                self.pool.grow(max(total, old + max(old // 32, 1)), free_owner=nh)
             self.pool.set_owner(self.table.take_blocks(needing), needing)
         slots, _ = self.table.place(self.seen, q_len, use_holes)
         if q_len == 1:
@@ -296,8 +298,8 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         start : absolute position of ``mask[..., 0]``.
         mask : bool Tensor ``(B, H, n)``. Already evicted positions are ignored (counted once).
 
-        At most :data:`_HOLES_MAX` positions (decoding) are evicted on the device without reading ``mask``;
-        more read it (one device read) and repack the pool.
+        The eviction is applied on the device without reading ``mask``; the host table learns of it later (see
+        the module docstring). The first eviction of a prefill reads the mask (it decides what is written).
         """
         if mask.dim() != 3 or mask.shape[:2] != (self._bsz, self._heads):
             raise ValueError(
@@ -323,16 +325,6 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             self._count_evicted(torch.from_numpy(wanted.sum(-1)))
             self._write_dense(keep)
             return
-        if n_pos > _HOLES_MAX:
-            self._sync()
-            wanted = mask.reshape(nh, n_pos).cpu().numpy()
-            hit = wanted & (self.table.slot[:, start : start + n_pos] >= 0)
-            if hit.any():
-                self._count_evicted(torch.from_numpy(hit.sum(-1)))
-                heads, offsets = np.nonzero(hit)
-                self.table.forget(heads, offsets + start, as_holes=False)
-                self._repack()
-            return
         # Decoding: on the device. The table knows the slot of every position it has not seen evicted; a pair
         # evicted on the device since the last catch-up is skipped there (its slot is no longer live).
         slots = self.table.slot[:, start : start + n_pos].reshape(-1)
@@ -347,7 +339,9 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         counts.index_add_(0, torch.from_numpy(heads).to(dev), freed.long())
         self._count_evicted(counts)
         self._freed.append((heads, start + stored % n_pos, freed))
-        if len(self._freed) >= _SYNC_EVERY:
+        if n_pos > _HOLES_MAX or len(self._freed) >= _SYNC_EVERY:
+            # Larger evictions (a question's, a prefill chunk's) are reported at once, so that their slots can be
+            # refilled or packed away before the next chunk; decoding's wait for 16 steps.
             self._sync()
 
     def _count_evicted(self, counts: torch.Tensor) -> None:
