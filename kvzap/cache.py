@@ -410,12 +410,79 @@ class _MaskedStorage(PrunableLayer):
             self.n_evicted = self.n_evicted.index_select(0, beam_idx.to(self.keep.device))
 
 
-class MaskedLayer(_MaskedStorage, DynamicLayer):
+class _GrowBuffer:
+    """Dense keys and values ``(B, H, capacity, d)`` with room to append in place.
+
+    ``claimed`` is the longest prefix a snapshot has seen: the buffer is written in place only from there on
+    (a layer appending below it, after a crop or a restore to an earlier snapshot, takes a new buffer).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values, self.claimed = keys, values, 0
+
+
+class _AppendInPlaceLayer(DynamicLayer):
+    """A ``DynamicLayer`` that appends into a buffer with spare room instead of concatenating.
+
+    transformers' layer concatenates (a new tensor per update). With a checkpoint alive (the pipeline's, between
+    questions), the checkpoint would then keep the old tensors and the layer a full copy of them: two dense
+    caches. Here ``keys``/``values`` are views of a :class:`_GrowBuffer` and an update writes after them, where no
+    snapshot looks; the buffer is reallocated with 1/64 spare room (plus 16 tokens) when full.
+    """
+
+    _buf: _GrowBuffer | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, q_len = (self.keys.shape[-2] if self.keys.dim() == 4 else 0), key_states.shape[-2]
+        buf = self._buf
+        backed = (
+            buf is not None
+            and n > 0
+            and self.keys.untyped_storage().data_ptr() == buf.keys.untyped_storage().data_ptr()
+            and buf.keys.shape[:2] == key_states.shape[:2]
+        )
+        if not backed or n + q_len > buf.keys.shape[-2] or n < buf.claimed:
+            # First update, tensors replaced by a batch operation, no room left, or a snapshot sees slots from n on.
+            capacity = n + q_len + (n + q_len) // 64 + 16
+            bsz, heads = key_states.shape[:2]
+            buf = self._buf = _GrowBuffer(
+                key_states.new_empty(bsz, heads, capacity, key_states.shape[-1]),
+                value_states.new_empty(bsz, heads, capacity, value_states.shape[-1]),
+            )
+            if n:
+                buf.keys[:, :, :n] = self.keys
+                buf.values[:, :, :n] = self.values
+        buf.keys[:, :, n : n + q_len] = key_states
+        buf.values[:, :, n : n + q_len] = value_states
+        self.keys, self.values = buf.keys[:, :, : n + q_len], buf.values[:, :, : n + q_len]
+        return self.keys, self.values
+
+
+class MaskedLayer(_MaskedStorage, _AppendInPlaceLayer):
     """A full-attention ``DynamicLayer`` whose evicted pairs are masked out per KV head."""
+
+    # _buf: shared with snapshots; written in place only past the longest prefix a snapshot has seen.
+    _SHARED_FIELDS = _MaskedStorage._SHARED_FIELDS | {"_buf"}
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._init_masked()
+        self._buf = None
+
+    def reset(self) -> None:
+        super().reset()
+        self._buf = None
+
+    def snapshot(self) -> LayerState:
+        if self._buf is not None and self.keys is not None:
+            self._buf.claimed = max(self._buf.claimed, self.keys.shape[-2])
+        return super().snapshot()
+
+    def held_objects(self) -> list[Any]:
+        buf = [] if self._buf is None else [self._buf.keys, self._buf.values]
+        return [*super().held_objects(), *buf]
 
 
 class MaskedSlidingWindowLayer(_MaskedStorage, DynamicSlidingWindowLayer):

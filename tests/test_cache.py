@@ -111,14 +111,38 @@ def test_kv_bytes_counts_kept_pairs():
     layer = cache.layers[0]
     _fill(layer, length=10, d=4)
     layer.evict(0, torch.ones(1, 2, 5, dtype=torch.bool))
+    # The dense pairs sit in buffers with room for 10 // 64 + 16 more tokens (appended in place).
+    buffers = 2 * (2 * 26 * 4 * 4)
     # Within the forward, the layer also holds the new pairs (the press reads them) ...
-    assert kv_bytes(cache).physical == 2 * (2 * 10 * 2 * 4 * 4) + 2 * 10 + 2 * 10 + 2 * 8
+    assert kv_bytes(cache).physical == buffers + 2 * (2 * 10 * 4 * 4) + 2 * 10 + 2 * 10 + 2 * 8
     layer.end_forward()
     layer.press_state["pending"] = torch.zeros(1, 2, 3)
     kept, physical, full = kv_bytes(cache)
     assert full == 2 * 10 * 2 * 4 * 4 and kept == full // 2
     # ... after it: every pair (masked storage), the keep mask, n_evicted and the press's state.
-    assert physical == full + 2 * 10 + 2 * 8 + 2 * 3 * 4
+    assert physical == buffers + 2 * 10 + 2 * 8 + 2 * 3 * 4
+
+
+def test_masked_layers_append_in_place_where_no_snapshot_looks():
+    cache = DynamicCache()
+    cache.layers.append(MaskedLayer())
+    layer = cache.layers[0]
+    _fill(layer, length=10)
+    storage = layer.keys.untyped_storage().data_ptr()
+    snap = snapshot_cache(cache)
+    _fill(layer, length=3, seed=1)  # after the snapshot's 10 positions: in place, nothing copied
+    assert layer.keys.untyped_storage().data_ptr() == storage and layer.keys.shape[-2] == 13
+    restore_cache(cache, snap)
+    _fill(layer, length=2, seed=2)  # the same slots again: the snapshot does not see them
+    assert layer.keys.untyped_storage().data_ptr() == storage
+    layer.crop(-5)  # now at 7 < 10, which the snapshot sees: the next append takes a new buffer
+    _fill(layer, length=1, seed=3)
+    assert layer.keys.untyped_storage().data_ptr() != storage
+    restore_cache(cache, snap)
+    expected = torch.randn(1, 2, 10, 4, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(layer.keys, expected) and torch.equal(layer.values, expected)
+    _fill(layer, length=40, seed=4)  # no room left: a larger buffer
+    assert layer.keys.shape[-2] == 50 and torch.equal(layer.keys[:, :, :10], expected)
 
 
 def test_unprunable_layers_are_refused():
