@@ -155,6 +155,17 @@ def masked_sdpa(
     return out.reshape(bsz, n_q_heads, q_len, head_dim).transpose(1, 2).contiguous()
 
 
+def _trimmed(value: Any) -> Any:
+    """``value``, or a copy of it when it is a tensor view holding more than twice its own bytes alive (e.g. the
+    scores of the window's tokens, sliced out of the whole prompt's scores). Values are replaced, never
+    written: snapshots may share them."""
+    if isinstance(value, torch.Tensor) and value._base is not None:
+        own = value.numel() * value.element_size()
+        if value.untyped_storage().nbytes() > 2 * own + 64:
+            return value.clone()
+    return value
+
+
 class PrunableLayer:
     """Mixin giving a transformers cache layer the eviction interface presses use (see the module docstring).
 
@@ -211,10 +222,13 @@ class PrunableLayer:
 
     def end_forward(self) -> None:
         """Called at the end of the press's post-hook (also when the press failed): drop the new pairs of this
-        forward (see ``last_keys``) and leave the storage complete."""
+        forward (see ``last_keys``), leave the storage complete, and make sure the press's state keeps no large
+        tensor alive through a small view of it (its values only: nested tuples are the press's buffers of new
+        pairs, which are their own tensors)."""
         self.last_keys = self.last_values = None
         if self._bound:
             self._bound = False
+        self.press_state = {name: _trimmed(value) for name, value in self.press_state.items()}
 
     def _check_bound(self) -> None:
         """Refuse an update outside the press once a press pruned this layer (nothing changed yet)."""

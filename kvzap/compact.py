@@ -91,7 +91,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
     # the first forward's dense pairs and the device evictions not yet seen by the table are settled first.
     _SHARED_FIELDS = PrunableLayer._SHARED_FIELDS | {"block_size", "_bsz", "_heads"}
     _COPIED_FIELDS = PrunableLayer._COPIED_FIELDS | {"table", "pool"}
-    _TRANSIENT_FIELDS = PrunableLayer._TRANSIENT_FIELDS | {"_dense", "_freed"}
+    _TRANSIENT_FIELDS = PrunableLayer._TRANSIENT_FIELDS | {"_dense", "_freed", "_pending_ranges"}
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, **kwargs):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -108,8 +108,10 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self.pool = BlockPool(self.block_size)
         # The first forward's new pairs (B, H, q, d), not written into the pool yet (see the module docstring).
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Device evictions the table has not seen: (heads (N,), positions (N,), freed (N,) bool device tensor).
+        # Device evictions the table has not seen: (heads (N,), positions (N,), freed (N,) bool device tensor), and
+        # the position ranges they covered (an eviction that overlaps one must check which slots are still live).
         self._freed: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
+        self._pending_ranges: list[tuple[int, int]] = []
 
     @property
     def _nh(self) -> int:
@@ -133,7 +135,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         freed = torch.cat([f for _, _, f in self._freed]).cpu().numpy()
         heads = np.concatenate([h for h, _, _ in self._freed])
         positions = np.concatenate([p for _, p, _ in self._freed])
-        self._freed = []
+        self._freed, self._pending_ranges = [], []
         self.table.forget(heads[freed], positions[freed], as_holes=True)
         # While a snapshot shares the pool, holes stay dead slots: packing them away (or refilling one) would copy
         # the pool, and the snapshot keeps the old one alive. The pool then grows by the new tokens only.
@@ -238,7 +240,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
 
     def _reset_transient(self) -> None:
         super()._reset_transient()
-        self._dense, self._freed = None, []
+        self._dense, self._freed, self._pending_ranges = None, [], []
 
     @property
     def reads_own_storage(self) -> bool:
@@ -325,20 +327,30 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             self._count_evicted(torch.from_numpy(wanted.sum(-1)))
             self._write_dense(keep)
             return
-        # Decoding: on the device. The table knows the slot of every position it has not seen evicted; a pair
-        # evicted on the device since the last catch-up is skipped there (its slot is no longer live).
-        slots = self.table.slot[:, start : start + n_pos].reshape(-1)
-        stored = np.flatnonzero(slots >= 0)
-        if stored.size == 0:
-            return
+        # On the device. The table knows the slot of every position it has not seen evicted; a pair evicted on
+        # the device since the last catch-up is skipped there (its slot is no longer live).
+        end = start + n_pos
+        slots = self.table.slot[:, start:end].reshape(-1)
         dev = self.device
-        wanted = mask.reshape(-1).index_select(0, torch.from_numpy(stored).to(mask.device)).to(dev)
-        freed = self.pool.free(torch.from_numpy(slots[stored].astype(np.int64)).to(dev), wanted)
-        heads = stored // n_pos
-        counts = torch.zeros(nh, dtype=torch.long, device=dev)
-        counts.index_add_(0, torch.from_numpy(heads).to(dev), freed.long())
-        self._count_evicted(counts)
-        self._freed.append((heads, start + stored % n_pos, freed))
+        if (slots >= 0).all() and not any(s < end and start < e for s, e in self._pending_ranges):
+            # The usual case (each position leaves the window once): every slot is live, so the mask is exactly
+            # what is freed. A few device operations, no read.
+            freed = mask.reshape(-1).to(dev)
+            heads, offsets = np.divmod(np.arange(slots.size), n_pos)
+            self.pool.kill(torch.from_numpy(slots.astype(np.int64)).to(dev), freed)
+            self._count_evicted(freed.view(nh, n_pos).sum(-1))
+        else:
+            stored = np.flatnonzero(slots >= 0)
+            if stored.size == 0:
+                return
+            wanted = mask.reshape(-1).index_select(0, torch.from_numpy(stored).to(mask.device)).to(dev)
+            freed = self.pool.free(torch.from_numpy(slots[stored].astype(np.int64)).to(dev), wanted)
+            heads, offsets = np.divmod(stored, n_pos)
+            counts = torch.zeros(nh, dtype=torch.long, device=dev)
+            counts.index_add_(0, torch.from_numpy(heads).to(dev), freed.long())
+            self._count_evicted(counts)
+        self._freed.append((heads, start + offsets, freed))
+        self._pending_ranges.append((start, end))
         if n_pos > _HOLES_MAX or len(self._freed) >= _SYNC_EVERY:
             # Larger evictions (a question's, a prefill chunk's) are reported at once, so that their slots can be
             # refilled or packed away before the next chunk; decoding's wait for 16 steps.
