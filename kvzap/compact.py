@@ -34,6 +34,11 @@ split the same way (:mod:`kvzap.paged`):
   the slots freed become holes then. Holes piling up (more than a block, and more than 1/32 of the live pairs)
   repack the pool, trimmed to the blocks in use, except while a snapshot shares it (the pipeline's
   checkpoint): a repack would then hold two pools, so the holes stay dead slots until the snapshot is gone.
+- **Snapshots** (the pipeline's checkpoint) share the pool; the table is copied. Before sharing, the pool gets
+  room for a block per head and 1/32 more: while the pool is shared, appends go to fresh slots only (refilling a
+  hole, or growing the pool, would keep two pools alive), and evicted slots stay dead until the snapshot is gone.
+  A question and answer longer than that room grow the pool: then the snapshot's pool and the layer's coexist
+  until the next restore.
 - **Attention** reads the used blocks (always a prefix of the pool) as a batch; causal masks of multi-token
   steps come from the stored positions, so they are exact whatever was evicted.
 
@@ -467,6 +472,17 @@ class CompactLayer(PrunableLayer, DynamicLayer):
     # --- snapshots ----------------------------------------------------------------------------------------------
     def _needs_press(self) -> bool:
         return True  # only kvzap's attention reads the blocks
+
+    def snapshot(self):
+        """A checkpoint sharing the pool (see :mod:`kvzap.paged.pool`). Room for new pairs is made first: growing
+        a pool that a snapshot shares would leave two pools alive, the snapshot's and the layer's."""
+        self._settle()
+        if self.is_initialized:
+            nh = self._nh
+            wanted = self.table.n_used + nh + self.table.n_used // 32  # a block per head, and 1/32
+            if self.pool.num_blocks < wanted and not self.pool.kv_shared:
+                self.pool.grow(wanted, free_owner=nh)
+        return super().snapshot()
 
     def _copy_field(self, name: str, value: Any) -> Any:
         if name == "table":

@@ -18,6 +18,8 @@ state still sees what it is about to change (copy on write):
   sharing them saw live. Writes into fresh slots, which no state saw live, go in place: a decoding step after
   a restore copies nothing. The layer also avoids refilling holes while the keys are shared
   (:attr:`BlockPool.kv_shared`), so that the pipeline's questions never copy the pool.
+- growing the pool (:meth:`BlockPool.grow`) makes new tensors: while a state shares the old ones, both are
+  alive. The layer therefore makes room before it shares the pool (see ``CompactLayer.snapshot``).
 
 Every check is host-side (weak references and numpy arrays): no device read.
 When the last state referring to a tensor is garbage-collected, the pool owns it alone again.
