@@ -19,8 +19,12 @@ from benchmarks.outside import LayerExitSampler, full_cache_bytes, live_bytes, m
 from kvzap import DMSThresholdPress, RandomScorer
 from tests.conftest import char_tokenizer, random_ids, tiny_model
 
-# Fixed on the branch of issue 11; the marks go when it lands (strict: an unexpected pass fails the run).
-ISSUE_11 = pytest.mark.xfail(strict=True, reason="issue 11: layers keep dense copies of the prompt")
+# Still open (strict: an unexpected pass fails the run). With compact storage the pipeline's checkpoint shares the
+# pool and nothing outside the cache holds more than 0.004 of the full cache; but while a question is answered the
+# cache holds up to 0.017 of the full cache over this bound: the room a snapshot reserves so that the pool does not
+# grow (and get copied) while shared (a block per head and 1/32: 2 blocks of 24 per layer here), and the evicted
+# slots that stay dead while the pool is shared.
+ISSUE_11 = pytest.mark.xfail(strict=True, reason="issue 11: a snapshot's reserve on a 2-layer, 2-head model")
 
 N_PROMPT = 2048
 THRESHOLD = 0.44  # P(N(0, 1) < 0.44) = 0.67
@@ -66,7 +70,6 @@ def test_the_measure_counts_a_full_cache_exactly():
     assert reachable_bytes({"a": [big[:10]], "b": (big[5:],)}).device == 4000
 
 
-@ISSUE_11
 @pytest.mark.parametrize("storage", ["compact", "masked"])
 @torch.no_grad()
 def test_cache_after_prefill_and_decoding(storage):
@@ -92,7 +95,6 @@ def test_cache_after_prefill_and_decoding(storage):
         assert held <= bound(model, storage, seen, kept), (held, full_cache_bytes(model.config, seen), kept)
 
 
-@ISSUE_11
 @pytest.mark.parametrize("storage", ["compact", "masked"])
 @torch.no_grad()
 def test_generate_returns_a_cache_of_the_kept_share(storage):
@@ -106,8 +108,8 @@ def test_generate_returns_a_cache_of_the_kept_share(storage):
     assert held <= bound(model, storage, N_PROMPT, kept)
 
 
-@ISSUE_11
-@pytest.mark.parametrize("storage", ["compact", "masked"])
+# masked first: a failed test's traceback keeps its tensors alive, and live_bytes counts every tensor alive.
+@pytest.mark.parametrize("storage", ["masked", pytest.param("compact", marks=ISSUE_11)])
 @torch.no_grad()
 def test_pipeline_questions_hold_no_extra_copy(storage):
     """While the pipeline answers several questions, the cache and everything else alive (its checkpoint between
@@ -138,7 +140,6 @@ def test_pipeline_questions_hold_no_extra_copy(storage):
         assert live - held <= SLACK * full_cache_bytes(model.config, seen), (seen, live, held)
 
 
-@ISSUE_11
 @torch.no_grad()
 def test_dense_prefill_peak():
     """Each layer's dense keys and values are freed once its eviction has run: the memory the cache costs during a
