@@ -96,7 +96,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
     # the first forward's dense pairs and the device evictions not yet seen by the table are settled first.
     _SHARED_FIELDS = PrunableLayer._SHARED_FIELDS | {"block_size", "_bsz", "_heads"}
     _COPIED_FIELDS = PrunableLayer._COPIED_FIELDS | {"table", "pool"}
-    _TRANSIENT_FIELDS = PrunableLayer._TRANSIENT_FIELDS | {"_dense", "_freed", "_pending_ranges"}
+    _TRANSIENT_FIELDS = PrunableLayer._TRANSIENT_FIELDS | {"_dense", "_freed", "_pending_span", "_heads_arange"}
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, **kwargs):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -114,9 +114,10 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         # The first forward's new pairs (B, H, q, d), not written into the pool yet (see the module docstring).
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
         # Device evictions the table has not seen: (heads (N,), positions (N,), freed (N,) bool device tensor), and
-        # the position ranges they covered (an eviction that overlaps one must check which slots are still live).
+        # the span of positions they covered (an eviction overlapping it must check which slots are still live).
         self._freed: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
-        self._pending_ranges: list[tuple[int, int]] = []
+        self._pending_span = (0, 0)
+        self._heads_arange: np.ndarray | None = None  # np.arange(heads), kept (decoding needs it in every step)
 
     @property
     def _nh(self) -> int:
@@ -140,7 +141,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         freed = torch.cat([f for _, _, f in self._freed]).cpu().numpy()
         heads = np.concatenate([h for h, _, _ in self._freed])
         positions = np.concatenate([p for _, p, _ in self._freed])
-        self._freed, self._pending_ranges = [], []
+        self._freed, self._pending_span = [], (0, 0)
         self.table.forget(heads[freed], positions[freed], as_holes=True)
         # While a snapshot shares the pool, holes stay dead slots: packing them away (or refilling one) would copy
         # the pool, and the snapshot keeps the old one alive. The pool then grows by the new tokens only.
@@ -231,7 +232,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             self.pool.set_owner(self.table.take_blocks(needing), needing)
         slots, _ = self.table.place(self.seen, q_len, use_holes)
         if q_len == 1:
-            positions = torch.full((nh,), self.seen, dtype=torch.int32, device=self.device)
+            positions = self.seen
         else:
             positions = torch.arange(self.seen, self.seen + q_len, dtype=torch.int32, device=self.device).repeat(nh)
         d_k, d_v = key_states.shape[-1], value_states.shape[-1]
@@ -245,7 +246,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
 
     def _reset_transient(self) -> None:
         super()._reset_transient()
-        self._dense, self._freed, self._pending_ranges = None, [], []
+        self._dense, self._freed, self._pending_span = None, [], (0, 0)
 
     @property
     def reads_own_storage(self) -> bool:
@@ -337,13 +338,17 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         end = start + n_pos
         slots = self.table.slot[:, start:end].reshape(-1)
         dev = self.device
-        if (slots >= 0).all() and not any(s < end and start < e for s, e in self._pending_ranges):
+        lo, hi = self._pending_span
+        if slots.min() >= 0 and not (start < hi and lo < end):
             # The usual case (each position leaves the window once): every slot is live, so the mask is exactly
             # what is freed. A few device operations, no read.
             freed = mask.reshape(-1).to(dev)
-            heads, offsets = np.divmod(np.arange(slots.size), n_pos)
+            if n_pos == 1:
+                heads, offsets = self._head_index(), np.zeros(nh, dtype=np.int64)
+            else:
+                heads, offsets = np.divmod(np.arange(slots.size), n_pos)
             self.pool.kill(torch.from_numpy(slots.astype(np.int64)).to(dev), freed)
-            self._count_evicted(freed.view(nh, n_pos).sum(-1))
+            self._count_evicted(freed.view(nh, n_pos).sum(-1) if n_pos > 1 else freed)
         else:
             stored = np.flatnonzero(slots >= 0)
             if stored.size == 0:
@@ -355,11 +360,16 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             counts.index_add_(0, torch.from_numpy(heads).to(dev), freed.long())
             self._count_evicted(counts)
         self._freed.append((heads, start + offsets, freed))
-        self._pending_ranges.append((start, end))
+        self._pending_span = (min(lo, start), max(hi, end)) if self._freed[:-1] else (start, end)
         if n_pos > _HOLES_MAX or len(self._freed) >= _SYNC_EVERY:
             # Larger evictions (a question's, a prefill chunk's) are reported at once, so that their slots can be
             # refilled or packed away before the next chunk; decoding's wait for 16 steps.
             self._sync()
+
+    def _head_index(self) -> np.ndarray:
+        if self._heads_arange is None or len(self._heads_arange) != self._nh:
+            self._heads_arange = np.arange(self._nh)
+        return self._heads_arange
 
     def _count_evicted(self, counts: torch.Tensor) -> None:
         """Add ``counts`` ``(nh,)`` to ``n_evicted``, out of place (snapshots share ``n_evicted``)."""
@@ -408,6 +418,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             self.values,
             self._dense,
             self._freed,
+            self._heads_arange,
         ]
 
     def physical_bytes(self) -> int:

@@ -132,12 +132,16 @@ class BlockPool:
         self._states.add(record)
 
     def _seen_by_state(self, name: str) -> bool:
+        if not self._states:  # the usual case, checked first: a decoding step asks three times
+            return False
         tensor = getattr(self, name)
         return any(getattr(record, name) is tensor for record in self._states)
 
     def _claimed(self, slots: np.ndarray) -> bool:
         """True when a live state sharing the keys saw one of the flat ``slots`` live."""
-        return any(record.keys is self.keys and record.live[slots].any() for record in self._states)
+        return bool(self._states) and any(
+            record.keys is self.keys and record.live[slots].any() for record in self._states
+        )
 
     @property
     def kv_shared(self) -> bool:
@@ -151,15 +155,19 @@ class BlockPool:
             setattr(self, name, getattr(self, name).clone())
         return getattr(self, name)
 
-    def write(self, slots: np.ndarray, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def write(self, slots: np.ndarray, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | int) -> None:
         """Store pairs at flat ``slots`` ``(N,)`` (host): ``keys (N, d_k)``, ``values (N, d_v)``, ``positions``
-        ``(N,)`` int32 (copying the shared tensors first if a state saw one of these slots live)."""
+        ``(N,)`` int32 or one position for all (copying the shared tensors first if a state saw one of these
+        slots live)."""
         if self._claimed(slots):
             self.keys, self.values, self.positions = self.keys.clone(), self.values.clone(), self.positions.clone()
         slots_t = torch.from_numpy(slots).to(self.keys.device)
         self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, slots_t, keys)
         self.values.view(-1, self.values.shape[-1]).index_copy_(0, slots_t, values)
-        self.positions.view(-1).index_copy_(0, slots_t, positions)
+        if isinstance(positions, int):
+            self.positions.view(-1).index_fill_(0, slots_t, positions)
+        else:
+            self.positions.view(-1).index_copy_(0, slots_t, positions)
         self._own("bias").view(-1).index_fill_(0, slots_t, 0)
 
     def set_owner(self, blocks: list[int], heads: list[int]) -> None:
