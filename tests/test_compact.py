@@ -428,3 +428,21 @@ def test_threshold_minus_inf_what_is_bit_identical_and_what_is_within_1e_6(famil
     assert torch.equal(logits[0], reference[0])
     for step, (a, b) in enumerate(zip(reference[1:], logits[1:], strict=True)):
         assert float((a - b).abs().max()) <= 1e-6, step
+
+
+class _FailingScorer(ConstantScorer):
+    def score(self, module, hidden_states, keys, values, positions):
+        raise RuntimeError("scorer failed")
+
+
+@pytest.mark.parametrize("storage", ["compact", "masked"])
+def test_a_press_that_fails_mid_forward_leaves_complete_layers_without_dense_pairs(storage):
+    model = tiny_model("llama")
+    kw = _compat.cache_kwarg_name(model)
+    cache = DynamicCache(config=model.config)
+    press = _press(scorer=_FailingScorer(0.0), storage=storage)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="scorer failed"), press(model):
+        model(random_ids(1, 30), **{kw: cache})
+    layer = cache.layers[0]  # its forward ran, its press failed
+    assert layer.seen == 30 and layer.last_keys is None and getattr(layer, "_dense", None) is None
+    assert layer.kept_counts().tolist() == [[30, 30]]  # every pair stored (nothing was evicted)
