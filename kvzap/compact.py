@@ -373,8 +373,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
 
     def _count_evicted(self, counts: torch.Tensor) -> None:
         """Add ``counts`` ``(nh,)`` to ``n_evicted``, out of place (snapshots share ``n_evicted``)."""
-        counts = counts.to(device=self.n_evicted.device, dtype=torch.long)
-        self.n_evicted = self.n_evicted + counts.view(self._bsz, self._heads)
+        self.n_evicted = self.n_evicted + counts.to(self.n_evicted.device).view(self._bsz, self._heads)
 
     def sync(self) -> None:
         """Bring the host table up to date with the device (one read); done automatically when needed."""

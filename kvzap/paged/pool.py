@@ -64,6 +64,7 @@ class BlockPool:
         self.bias: torch.Tensor | None = None
         self.owner: torch.Tensor | None = None
         self._states: weakref.WeakSet[PoolState] = weakref.WeakSet()
+        self._ninf: torch.Tensor | None = None  # a 0-dim -inf for evictions (see _minus_inf)
 
     @property
     def num_blocks(self) -> int:
@@ -71,7 +72,8 @@ class BlockPool:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The pool's tensors (for memory accounting)."""
-        return tuple(t for t in (self.keys, self.values, self.positions, self.bias, self.owner) if t is not None)
+        tensors = (self.keys, self.values, self.positions, self.bias, self.owner, self._ninf)
+        return tuple(t for t in tensors if t is not None)
 
     # --- allocation ---------------------------------------------------------------------------------------------
     def allocate(self, num_blocks: int, like_keys: torch.Tensor, like_values: torch.Tensor, free_owner: int) -> None:
@@ -191,7 +193,13 @@ class BlockPool:
 
     def kill(self, slots: torch.Tensor, evict: torch.Tensor) -> None:
         """Free the live slots ``slots[k]`` ``(N,)`` where ``evict[k]`` is True (the caller knows that every one of
-        these slots is live: two device operations fewer than :meth:`free`)."""
+        these slots is live, so the new bias is -inf or 0: two device operations, where :meth:`free` takes five)."""
         bias = self._own("bias")
-        new = torch.zeros(slots.shape[0], dtype=bias.dtype, device=bias.device).masked_fill_(evict, float("-inf"))
-        bias.view(-1).index_copy_(0, slots, new)
+        bias.view(-1).index_put_((slots,), torch.where(evict, self._minus_inf(bias), 0.0))
+
+    def _minus_inf(self, like: torch.Tensor) -> torch.Tensor:
+        """A 0-dim -inf of ``like``'s dtype and device, kept (built once, not per decoding step)."""
+        cached = self._ninf
+        if cached is None or cached.dtype != like.dtype or cached.device != like.device:
+            cached = self._ninf = torch.tensor(float("-inf"), dtype=like.dtype, device=like.device)
+        return cached
