@@ -19,7 +19,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from evaluation.metrics import boxed_match
+from .metrics import boxed_match
 
 __all__ = ["HUB_ID", "TASK", "MAX_NEW_TOKENS", "SamplingSettings", "build_sample", "generate", "score"]
 

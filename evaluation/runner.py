@@ -26,9 +26,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from evaluation import aime, longbench, ruler
-from evaluation.benchmarks import BENCHMARKS, DEFAULT_DATASET, Benchmark, LoadRequest, check_local_path
-from evaluation.presses import PRESSES, make_press
+from . import aime, longbench, ruler
+from .benchmarks import BENCHMARKS, DEFAULT_DATASET, Benchmark, LoadRequest, check_local_path
+from .presses import PRESSES, make_press
 
 logger = logging.getLogger(__name__)
 
@@ -579,10 +579,10 @@ def _datasets_help() -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m evaluation") -> argparse.ArgumentParser:
     """The ``python -m evaluation`` / ``kvzap evaluate`` parser (unset flags keep the config's values)."""
     parser = argparse.ArgumentParser(
-        prog="python -m evaluation",
+        prog=prog,
         description=textwrap.fill(
             "Accuracy vs compression of kvzap presses on long-context benchmarks (the offline RULER-style suite, "
             "RULER, LongBench, AIME 2025). Subcommands: `plot` (or `summarize`) --results-dir DIR; anything else "
@@ -651,9 +651,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(argv: Sequence[str] | None) -> tuple[EvalConfig, bool]:
+def config_from_args(argv: Sequence[str] | None, prog: str = "python -m evaluation") -> tuple[EvalConfig, bool]:
     """Parse a sweep's command line into a config (defaults < YAML < flags); also returns ``--verbose``."""
-    args = vars(build_parser().parse_args(argv))
+    args = vars(build_parser(prog).parse_args(argv))
     verbose = bool(args.pop("verbose", False))
     path = args.pop("config", None)
     for name in ("presses", "tasks"):
@@ -672,7 +672,7 @@ def _format_results(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m evaluation") -> int:
     """Entry point of ``python -m evaluation`` and ``kvzap evaluate``; returns the exit status.
 
     ``main(["plot", "--results-dir", DIR])`` (or ``summarize``) writes the plot and the table; any other arguments
@@ -682,13 +682,13 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("plot", "summarize"):
-        from evaluation.plots import main as plots_main
+        from .plots import main as plots_main
 
-        return plots_main(argv[1:])
+        return plots_main(argv[1:], prog=f"{prog} {argv[0]}")
     if argv and argv[0] == "run":
         argv = argv[1:]
     try:
-        config, verbose = config_from_args(argv)
+        config, verbose = config_from_args(argv, prog)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -702,6 +702,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(_format_results(results))
     print(
-        f"Results in {config.output_dir}; plot them with: python -m evaluation plot --results-dir {config.output_dir}"
+        f"Results in {config.output_dir}; plot them with: {prog} plot --results-dir {config.output_dir}"
     )
     return 0

@@ -75,10 +75,10 @@ def _add_fit_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: %(default)s).")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``python -m train``."""
+def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
+    """The argument parser of ``python -m train`` (``kvzap train`` passes its own ``prog``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m train",
+        prog=prog,
         description="Train KVzap surrogates: collect KVzip+ targets with a model, then fit linear/MLP surrogates.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
@@ -159,8 +159,8 @@ def run_collect(args: argparse.Namespace, out: Path) -> None:
     from accelerate import PartialState
 
     from kvzap.models import load_model
-    from train.collect import collect
-    from train.data import load_documents, load_prompts
+    from .collect import collect
+    from .data import load_documents, load_prompts
 
     # cpu=True lets accelerate form a gloo process group when there is no GPU (otherwise it runs one process).
     state = PartialState(cpu=not torch.cuda.is_available())
@@ -211,7 +211,7 @@ def run_collect(args: argparse.Namespace, out: Path) -> None:
 
 def run_fit(args: argparse.Namespace, collection: Path, out: Path, extra_train: list[Path] = ()) -> None:
     """Fit the requested surrogates and print the held-out R^2."""
-    from train.fit import MLPConfig, fit_and_save
+    from .fit import MLPConfig, fit_and_save
 
     config = MLPConfig(
         hidden_dim=args.hidden_dim,
@@ -248,7 +248,7 @@ def run_gate(args: argparse.Namespace) -> None:
     from transformers import AutoConfig
 
     from kvzap.models import DEFAULT_MODEL_NAME, default_model_dir
-    from train.gate import GateConfig, fit_gates_and_save
+    from .gate import GateConfig, fit_gates_and_save
 
     source = args.model if args.model not in (None, DEFAULT_MODEL_NAME) else default_model_dir()
     config = AutoConfig.from_pretrained(source).get_text_config()
@@ -270,9 +270,9 @@ def run_gate(args: argparse.Namespace) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m train``."""
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m train") -> int:
+    """Entry point of ``python -m train`` and ``kvzap train``."""
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.command == "build-corpus":
-        from train.corpus import build_corpus
+        from .corpus import build_corpus
 
         summary = build_corpus(
             args.out,
