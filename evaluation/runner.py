@@ -701,7 +701,5 @@ def main(argv: list[str] | None = None, prog: str = "python -m evaluation") -> i
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(_format_results(results))
-    print(
-        f"Results in {config.output_dir}; plot them with: {prog} plot --results-dir {config.output_dir}"
-    )
+    print(f"Results in {config.output_dir}; plot them with: {prog} plot --results-dir {config.output_dir}")
     return 0

@@ -159,6 +159,7 @@ def run_collect(args: argparse.Namespace, out: Path) -> None:
     from accelerate import PartialState
 
     from kvzap.models import load_model
+
     from .collect import collect
     from .data import load_documents, load_prompts
 
@@ -248,6 +249,7 @@ def run_gate(args: argparse.Namespace) -> None:
     from transformers import AutoConfig
 
     from kvzap.models import DEFAULT_MODEL_NAME, default_model_dir
+
     from .gate import GateConfig, fit_gates_and_save
 
     source = args.model if args.model not in (None, DEFAULT_MODEL_NAME) else default_model_dir()

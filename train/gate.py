@@ -20,6 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from kvzap.surrogates.fastkvzip import FastKVzipGates
+
 from .fit import pearson_r2
 
 logger = logging.getLogger(__name__)
