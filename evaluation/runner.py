@@ -70,7 +70,12 @@ class EvalConfig:
     temperature, top_p, top_k, min_p : sampling of ``aime25`` (None: 0.6, 0.95, 20, 0).
     output_dir : where run directories are written.
     seed : seed of the generator, of the fraction of samples kept, of sampling and of the random scorer.
-    surrogate : KVzap surrogate directory or Hub id (None: bundled, else the published checkpoint).
+    surrogate : surrogate directory or Hub id for every press that reads learned weights (``kvzap_mlp``,
+        ``kvzap_linear``, ``fastkvzip``). A directory holding ``mlp/`` and ``linear/`` (the output of
+        ``kvzap train fit``) gives each KVzap press its own sub-directory (and ``fastkvzip/`` to Fast KVzip).
+        None: the surrogate bundled for the model, else the published checkpoint.
+    surrogate_mlp, surrogate_linear, surrogate_fastkvzip : the weights of one press type, overriding
+        ``surrogate`` for it (e.g. one training run's ``mlp/`` and ``linear/`` swept in one command).
     sliding_window_size, decoding : DMS options of the KVzap presses (``aime25`` always prunes while decoding).
     haystack_file : text file for the real-text haystack of ``ruler_offline`` (None: the Python reference).
     device : device to run on (None: the model's, or CPU for a loaded model).
@@ -97,6 +102,9 @@ class EvalConfig:
     output_dir: str = "outputs/evaluation"
     seed: int = 0
     surrogate: str | None = None
+    surrogate_mlp: str | None = None
+    surrogate_linear: str | None = None
+    surrogate_fastkvzip: str | None = None
     sliding_window_size: int = 128
     decoding: bool = False
     haystack_file: str | None = None
@@ -135,6 +143,20 @@ class EvalConfig:
             return None
         given = {k: getattr(self, k) for k in _SAMPLING if getattr(self, k) is not None}
         return aime.SamplingSettings(**given)
+
+    def surrogate_for(self, press: str) -> str | None:
+        """The surrogate press ``press`` reads: its type's own setting, else ``surrogate`` (or its sub-directory
+        named after the type, when ``surrogate`` holds one with a ``config.json``); None for presses without
+        learned weights, and for the bundled or published default."""
+        kind = PRESSES[press].surrogate_type
+        if kind is None:
+            return None
+        specific = getattr(self, f"surrogate_{kind}")
+        if specific is not None:
+            return specific
+        if self.surrogate is not None and (Path(self.surrogate).expanduser() / kind / "config.json").is_file():
+            return str(Path(self.surrogate) / kind)
+        return self.surrogate
 
     def decoding_for(self, knob: str | None) -> bool | None:
         """Whether a threshold press prunes while decoding (always for sampled datasets); None for other presses."""
@@ -334,7 +356,9 @@ def _run_record(config: EvalConfig, run: RunSpec, model_name: str) -> dict[str, 
         "seed": config.seed,
         "max_context_length": config.max_context_length,
         "max_new_tokens": config.max_new_tokens,
-        "surrogate": config.surrogate if run.press.startswith("kvzap") else None,
+        # Every press with learned weights records where they come from, so two runs that differ only in their
+        # surrogate get their own directories.
+        "surrogate": config.surrogate_for(run.press),
         "sliding_window_size": config.sliding_window_size if run.knob == "threshold" else None,
         "decoding": config.decoding_for(run.knob),
         "dtype": config.dtype,
@@ -410,7 +434,7 @@ def _make_run_press(config: EvalConfig, run: RunSpec):
         return make_press(
             run.press,
             run.value,
-            surrogate=config.surrogate,
+            surrogate=config.surrogate_for(run.press),
             sliding_window_size=config.sliding_window_size,
             decoding=decoding,
             seed=config.seed,
@@ -637,7 +661,18 @@ def build_parser(prog: str = "python -m evaluation") -> argparse.ArgumentParser:
     parser.add_argument("--min-p", dest="min_p", type=float, help="aime25 sampling (default 0: disabled)")
     parser.add_argument("--output-dir", dest="output_dir")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--surrogate", help="KVzap surrogate directory or Hub id")
+    parser.add_argument(
+        "--surrogate",
+        help="surrogate directory or Hub id for kvzap_mlp, kvzap_linear and fastkvzip; a directory holding mlp/ "
+        "and linear/ (the output of `kvzap train fit`) gives each KVzap press its own (default: bundled)",
+    )
+    parser.add_argument("--surrogate-mlp", dest="surrogate_mlp", help="kvzap_mlp's surrogate (overrides --surrogate)")
+    parser.add_argument(
+        "--surrogate-linear", dest="surrogate_linear", help="kvzap_linear's surrogate (overrides --surrogate)"
+    )
+    parser.add_argument(
+        "--surrogate-fastkvzip", dest="surrogate_fastkvzip", help="fastkvzip's gates (overrides --surrogate)"
+    )
     parser.add_argument("--sliding-window-size", dest="sliding_window_size", type=int)
     parser.add_argument(
         "--decoding", action="store_true", help="KVzap presses also prune during decoding (always on for aime25)"
