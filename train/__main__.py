@@ -1,9 +1,10 @@
-"""Command line of the KVzap training scripts: ``python -m train {build-corpus,collect,fit,all}``.
+r"""Command line of the KVzap training scripts: ``python -m train {build-corpus,collect,fit,all}``.
 
 Typical offline run on the default model::
 
     python -m train build-corpus --out outputs/corpus
-    python -m train collect --data outputs/corpus/corpus.jsonl --out outputs/collect --n-train 20 --n-test 3
+    python -m train collect --data outputs/corpus/corpus.jsonl --out outputs/collect \
+        --train-per-subset 20 --test-per-subset 3
     python -m train fit --collection outputs/collect --out outputs/surrogates
 
 or everything at once with ``python -m train all``. Collection runs data-parallel under
@@ -23,6 +24,19 @@ import torch
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+class _Renamed(argparse.Action):
+    """A deprecated flag name: stores into the new name's destination and says so on stderr."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = "--" + self.dest.replace("_", "-")
+        print(
+            f"warning: {option_string} is deprecated: it counts prompts per subset of --data (not in all), "
+            f"which its new name says: use {new} {values}.",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("prompts")
     group.add_argument(
@@ -32,8 +46,22 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
         "Default: %(default)s (needs network access).",
     )
     group.add_argument("--text-field", default="text", help="Column holding the text (default: %(default)s).")
-    group.add_argument("--n-train", type=int, default=500, help="Training prompts per subset (default: %(default)s).")
-    group.add_argument("--n-test", type=int, default=5, help="Held-out prompts per subset (default: %(default)s).")
+    group.add_argument(
+        "--train-per-subset",
+        type=int,
+        default=500,
+        help="Training prompts taken from EACH subset of --data (a Hub dataset config, or a corpus `subset`): "
+        "with 5 subsets, 20 gives 100 prompts (default: %(default)s).",
+    )
+    group.add_argument(
+        "--test-per-subset",
+        type=int,
+        default=5,
+        help="Held-out prompts taken from each subset (default: %(default)s).",
+    )
+    # The old names counted the same thing, which their names did not say; kept so recorded commands still run.
+    group.add_argument("--n-train", type=int, dest="train_per_subset", action=_Renamed, help=argparse.SUPPRESS)
+    group.add_argument("--n-test", type=int, dest="test_per_subset", action=_Renamed, help=argparse.SUPPRESS)
     group.add_argument("--min-tokens", type=int, default=750, help="Shortest prompt in tokens (default: %(default)s).")
     group.add_argument("--max-tokens", type=int, default=1250, help="Longest prompt in tokens (default: %(default)s).")
 
@@ -81,7 +109,7 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
         prog=prog,
         description="Train KVzap surrogates: collect KVzip+ targets with a model, then fit linear/MLP surrogates.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
+        epilog=__doc__.split("\n\n", 1)[1].replace("python -m train", prog),
     )
     parser.add_argument("--seed", type=int, default=0, help="Seed of every random draw (default: %(default)s).")
     parser.add_argument(
@@ -172,8 +200,8 @@ def run_collect(args: argparse.Namespace, out: Path) -> None:
         prompts = load_prompts(
             tokenizer,
             split=split,
-            n_train=args.n_train,
-            n_test=args.n_test,
+            n_train=args.train_per_subset,
+            n_test=args.test_per_subset,
             min_tokens=args.min_tokens,
             max_tokens=args.max_tokens,
             seed=args.seed,
@@ -198,7 +226,7 @@ def run_collect(args: argparse.Namespace, out: Path) -> None:
                 "split": split,
                 "min_tokens": args.min_tokens,
                 "max_tokens": args.max_tokens,
-                "n_per_subset": args.n_train if split == "train" else args.n_test,
+                "n_per_subset": args.train_per_subset if split == "train" else args.test_per_subset,
             },
         )
         if state.is_main_process:
@@ -207,7 +235,12 @@ def run_collect(args: argparse.Namespace, out: Path) -> None:
                     json.dumps({"subset": p.subset, "source": p.source, "tokens": len(p.ids)}) + "\n" for p in prompts
                 )
             )
-            print(f"{split}: {len(prompts)} prompts, {manifest['n_rows']} pairs -> {out / split}")
+            per_subset = args.train_per_subset if split == "train" else args.test_per_subset
+            n_subsets = len({p.subset for p in prompts})
+            print(
+                f"{split}: {len(prompts)} prompts (up to {per_subset} from each of {n_subsets} subsets), "
+                f"{manifest['n_rows']} pairs -> {out / split}"
+            )
 
 
 def run_fit(args: argparse.Namespace, collection: Path, out: Path, extra_train: list[Path] = ()) -> None:
