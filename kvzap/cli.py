@@ -187,29 +187,32 @@ _TOOLS = {"train": "train", "evaluate": "evaluation"}
 
 
 def _import_tool(package: str):
-    """Import ``kvzap.<package>`` (the tools of ``train/`` and ``evaluation/``, installed under kvzap's name).
+    """Import ``kvzap.<package>``: the tools of ``train/`` and ``evaluation/``, installed under kvzap's name.
 
-    A wheel or an editable install made from this version maps them there. A source checkout whose kvzap was
-    installed by an older version lacks that mapping: the package is then read from ``<package>/`` next to the
-    imported ``kvzap/`` directory, under the same name (its modules import each other relatively).
+    When the imported ``kvzap`` is a source checkout's (its parent holds ``pyproject.toml`` and ``<package>/``),
+    the tools are read from that checkout, under the same name (their modules import each other relatively),
+    whatever an editable install made from another checkout would map; installed from a wheel, they are imported
+    from it.
     """
     import importlib
     import importlib.util
     from pathlib import Path
 
     name = f"kvzap.{package}"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name != name:
-            raise  # a dependency of the tool is missing: say which
-    checkout = Path(__file__).resolve().parent.parent / package
-    if not (checkout / "__init__.py").is_file():
-        raise SystemExit(
-            f"The kvzap installation has no {name} package and there is no {package}/ folder next to "
-            f"{Path(__file__).resolve().parent}: reinstall kvzap (`pip install 'kvzap[train,eval]'`, or "
-            "`pip install -e '.[train,eval]'` in a source checkout)."
-        )
+    if name in sys.modules:
+        return sys.modules[name]
+    root = Path(__file__).resolve().parent.parent
+    checkout = root / package
+    if not ((root / "pyproject.toml").is_file() and (checkout / "__init__.py").is_file()):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name != name:
+                raise  # a dependency of the tool is missing: say which
+            raise SystemExit(
+                f"This kvzap installation has no {name} package: reinstall kvzap (`pip install 'kvzap[train,eval]'`, "
+                "or `pip install -e '.[train,eval]'` in a source checkout)."
+            ) from error
     spec = importlib.util.spec_from_file_location(
         name, checkout / "__init__.py", submodule_search_locations=[str(checkout)]
     )
