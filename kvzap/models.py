@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -312,9 +313,23 @@ def _is_gguf_file(name_or_path: str | os.PathLike) -> bool:
     return str(name_or_path).lower().endswith(".gguf")
 
 
+# A quantization tag ending a GGUF file's stem: ".Q4_1", "-q4_k_m", "-IQ3_XS", "-f16", "-bf16".
+_QUANT_SUFFIX = re.compile(r"[._-](?:i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
+
+
+def _gguf_dir(gguf: Path) -> Path:
+    """Cache directory of a GGUF file's converted copy: ``<cache>/<file stem>/<model name>``.
+
+    The file stem keeps two quantizations of one model apart; the last component, the stem without its
+    quantization tag (``SmolLM2-135M-Instruct.Q4_1`` -> ``SmolLM2-135M-Instruct``), becomes the model's
+    ``name_or_path``, by which bundled surrogates are found.
+    """
+    return default_cache_dir() / gguf.stem / (_QUANT_SUFFIX.sub("", gguf.stem) or gguf.stem)
+
+
 def model_name(name_or_path: str | os.PathLike | None) -> str:
-    """The name a model is known by: its converted copy's directory name for a known short name or a GGUF file
-    (``gemma3-270m`` -> ``gemma-3-270m``, ``x/foo.Q4.gguf`` -> ``foo.Q4``), else the last path component.
+    """The name a model's results are filed under: a known model's name (``gemma3-270m`` -> ``gemma-3-270m``), a
+    GGUF file's stem, quantization included (``x/foo.Q4_1.gguf`` -> ``foo.Q4_1``), else the last path component.
 
     Parameters
     ----------
@@ -359,7 +374,8 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> str:
     name_or_path : str, PathLike or None
         None or a known short name (:data:`KNOWN_MODELS`, also the default model's full name): the package's
         GGUF file, converted into ``<cache>/<name>``. A path ending in ``.gguf``: that file, converted into
-        ``<cache>/<file stem>`` (the stem names the copy: rename a different file that has the same stem).
+        ``<cache>/<file stem>/<file stem without its quantization tag>`` (the stem names the copy: rename a
+        different file that has the same stem).
         Anything else (a Hub id or a local directory) is returned unchanged.
 
     Returns
@@ -381,7 +397,7 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> str:
         gguf = Path(name_or_path).expanduser()
         if not gguf.is_file():
             raise FileNotFoundError(f"--model {str(name_or_path)!r} names a GGUF file that does not exist.")
-        return _cached_conversion(default_cache_dir() / gguf.stem, lambda scratch: gguf)
+        return _cached_conversion(_gguf_dir(gguf), lambda scratch: gguf)
     return str(name_or_path)
 
 

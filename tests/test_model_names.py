@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,12 +48,14 @@ def test_gguf_file_is_converted_once(cache_root, conversions, tmp_path, caplog):
     gguf.write_bytes(b"GGUF" + bytes(1000))
     with caplog.at_level(logging.WARNING, logger="kvzap.models"):
         model, _ = load_model(gguf)
-    assert conversions == [gguf] and is_complete_model_dir(cache_root / "my-model.Q4")
-    assert model.config._name_or_path.rstrip("/").endswith("my-model.Q4")  # how bundled surrogates are found
+    # <cache>/<stem>/<stem without the quantization tag>: the last component is how bundled surrogates are found.
+    assert conversions == [gguf] and is_complete_model_dir(cache_root / "my-model.Q4" / "my-model")
+    assert model.config._name_or_path.rstrip("/").endswith("my-model.Q4/my-model")
     assert "depending on the model's size" in caplog.text and "30 s" not in caplog.text
     again, _ = load_model(str(gguf), dtype=torch.float16)
     assert len(conversions) == 1 and again.dtype == torch.float16
-    assert sorted(p.name for p in cache_root.iterdir()) == ["my-model.Q4"]  # no scratch directory left
+    assert [p.name for p in cache_root.iterdir()] == ["my-model.Q4"]  # no scratch directory left
+    assert [p.name for p in (cache_root / "my-model.Q4").iterdir()] == ["my-model"]
     with pytest.raises(FileNotFoundError, match="GGUF file that does not exist"):
         load_model(tmp_path / "missing.gguf")
 
@@ -70,6 +73,21 @@ def _fake_gemma3_package(tmp_path):
 
     package.assemble = assemble
     return package
+
+
+@pytest.mark.parametrize(
+    "stem, name",
+    [
+        ("SmolLM2-135M-Instruct.Q4_1", "SmolLM2-135M-Instruct"),
+        ("gemma-3-270m-q4_k_m", "gemma-3-270m"),
+        ("Llama-3.2-1B-Instruct-IQ3_XS", "Llama-3.2-1B-Instruct"),
+        ("model-bf16", "model"),
+        ("mymodel-qwen2", "mymodel-qwen2"),
+        ("Q4_0", "Q4_0"),
+    ],
+)
+def test_gguf_copies_are_named_without_their_quantization(stem, name):
+    assert models._gguf_dir(Path(f"/x/{stem}.gguf")).relative_to(models.default_cache_dir()) == Path(stem) / name
 
 
 def test_gemma3_short_name_assembles_converts_and_cleans_up(cache_root, conversions, tmp_path, monkeypatch):
