@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from kvzap import _compat
 from kvzap.cache import PrunableLayer
 from kvzap.presses.base import BasePress, Scorer
+from kvzap.prompts import context_ids
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ def collect_scores(
     recorder = _ScoreRecorder(scorer=scorer)
     result = []
     for text in tqdm(texts, desc="calibration texts", unit="text"):
-        ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens].to(model.device)
+        # The context as the pipeline prefills it (chat turn, BOS rule of kvzap.prompts): the scores the press sees.
+        ids = torch.tensor([context_ids(tokenizer, text)[0][:max_tokens]], device=model.device)  # (1, T)
         recorder.scores = {}
         with recorder(model):
             model(input_ids=ids, use_cache=True, logits_to_keep=1)

@@ -1,4 +1,4 @@
-"""The ``kvzap`` command line: ``kvzap demo`` (the main job), ``calibrate``, ``evaluate`` and ``info``."""
+"""The ``kvzap`` command line: ``kvzap demo`` (the main job), ``calibrate``, ``train``, ``evaluate`` and ``info``."""
 
 from __future__ import annotations
 
@@ -170,26 +170,70 @@ def main(argv: list[str] | None = None) -> int:
     info = sub.add_parser("info", help="versions and bundled surrogates")
     info.set_defaults(func=_info)
 
-    # `kvzap evaluate ...` hands every following argument to the evaluation CLI (listed here for --help only).
-    sub.add_parser("evaluate", help="accuracy vs compression: `kvzap evaluate --help` (the evaluation/ CLI)")
+    # `kvzap train ...` and `kvzap evaluate ...` hand every following argument to the tool's own command line
+    # (listed here for --help only).
+    sub.add_parser("train", help="collect KVzip+ targets and fit surrogates: `kvzap train --help`")
+    sub.add_parser("evaluate", help="accuracy vs compression on long-context benchmarks: `kvzap evaluate --help`")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["evaluate"]:
-        return _evaluate(argv[1:])
+    if argv[:1] in (["train"], ["evaluate"]):
+        return _run_tool(argv[0], argv[1:])
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     return int(args.func(args) or 0)
 
 
-def _evaluate(argv: list[str]) -> int:
+_TOOLS = {"train": "train", "evaluate": "evaluation"}
+
+
+def _import_tool(package: str):
+    """Import ``kvzap.<package>``: the tools of ``train/`` and ``evaluation/``, installed under kvzap's name.
+
+    When the imported ``kvzap`` is a source checkout's (its parent holds ``pyproject.toml`` and ``<package>/``),
+    the tools are read from that checkout, under the same name (their modules import each other relatively),
+    whatever an editable install made from another checkout would map; installed from a wheel, they are imported
+    from it.
+    """
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    name = f"kvzap.{package}"
+    if name in sys.modules:
+        return sys.modules[name]
+    root = Path(__file__).resolve().parent.parent
+    checkout = root / package
+    if not ((root / "pyproject.toml").is_file() and (checkout / "__init__.py").is_file()):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name != name:
+                raise  # a dependency of the tool is missing: say which
+            raise SystemExit(
+                f"This kvzap installation has no {name} package: reinstall kvzap (`pip install 'kvzap[train,eval]'`, "
+                "or `pip install -e '.[train,eval]'` in a source checkout)."
+            ) from error
+    spec = importlib.util.spec_from_file_location(
+        name, checkout / "__init__.py", submodule_search_locations=[str(checkout)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     try:
-        from evaluation.__main__ import main as evaluation_main
-    except ImportError as error:
-        raise SystemExit(
-            "`kvzap evaluate` runs the evaluation/ package of a kvzap source checkout: "
-            f"run it from the repository root ({error})."
-        ) from error
-    return int(evaluation_main(argv) or 0)
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _run_tool(command: str, argv: list[str]) -> int:
+    """Run ``kvzap train ...`` (the ``train/`` command line) or ``kvzap evaluate ...`` (``evaluation/``)."""
+    import importlib
+
+    package = _TOOLS[command]
+    _import_tool(package)
+    entry = importlib.import_module(f"kvzap.{package}.__main__")
+    return int(entry.main(argv, prog=f"kvzap {command}") or 0)
 
 
 if __name__ == "__main__":

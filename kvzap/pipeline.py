@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
-from kvzap import _compat
+from kvzap import _compat, prompts
 from kvzap.cache import restore_cache, snapshot_cache
 from kvzap.presses.base import BasePress
 
@@ -97,21 +97,10 @@ class KVPressTextGenerationPipeline(Pipeline):
         if not isinstance(context, str):
             raise TypeError(f"context must be a string, got {type(context).__name__}.")
         tokenizer = self.tokenizer
-        if tokenizer.chat_template is None:
-            context = (tokenizer.bos_token or "") + context
-            suffix = "\n"
-        else:
-            # Render the chat around a unique marker: what precedes it is the context turn, what follows it
-            # (end of the user turn, start of the assistant turn) goes after each question.
-            marker = "\x00KVZAP_QUESTION\x00"
-            rendered = tokenizer.apply_chat_template(
-                [{"role": "user", "content": context + marker}],
-                add_generation_prompt=True,
-                tokenize=False,
-                enable_thinking=enable_thinking,
-            )
-            context, suffix = rendered.split(marker)
-        context_ids = tokenizer.encode(context, return_tensors="pt", add_special_tokens=False)
+        # The context turn (chat template, or bare text) opened by BOS as kvzap.prompts decides: the rule
+        # collection and calibration follow too, so surrogates see the hidden states they were trained on.
+        ids, suffix = prompts.context_ids(tokenizer, context, enable_thinking=enable_thinking)
+        context_ids = torch.tensor([ids], dtype=torch.long)  # (1, n)
         limit = max_context_length or tokenizer.model_max_length
         if limit is not None and context_ids.shape[1] > limit:
             logger.warning("Context truncated from %d to %d tokens.", context_ids.shape[1], limit)

@@ -349,7 +349,7 @@ def fit_and_save(
     dict
         The report written to ``r2.json`` (settings, sizes, R^2 per surrogate).
     """
-    from train.collect import load_collection
+    from .collect import load_collection
 
     for model_type in model_types:
         if model_type not in MODEL_TYPES:
