@@ -242,8 +242,12 @@ def fit_layer_mlp(X: np.ndarray, y: np.ndarray, config: MLPConfig | None = None)
     return net.module_.cpu().eval(), history
 
 
-def _layer_arrays(X: torch.Tensor, y: torch.Tensor, layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 numpy views of one layer: ``(N, D)`` and ``(N, H)``."""
+def _layer_arrays(
+    X: torch.Tensor, y: torch.Tensor, layer: int, rows: torch.Tensor | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """float32 numpy arrays of one layer, ``(N, D)`` and ``(N, H)``, of all rows or of ``rows``."""
+    if rows is not None:
+        return X[rows, layer].float().numpy(), y[rows, layer].float().numpy()
     return X[:, layer].float().numpy(), y[:, layer].float().numpy()
 
 
@@ -253,6 +257,7 @@ def fit_surrogate(
     model_type: str,
     *,
     mlp_config: MLPConfig | None = None,
+    rows: torch.Tensor | None = None,
 ):
     """Fit one surrogate module per layer.
 
@@ -266,6 +271,9 @@ def fit_surrogate(
         Surrogate family.
     mlp_config : MLPConfig, optional
         MLP hyper-parameters.
+    rows : torch.Tensor, optional
+        ``(n,)`` indices of the rows to fit on (all by default); taken one layer at a time, so a subset of a
+        large collection is never copied whole.
 
     Returns
     -------
@@ -284,12 +292,14 @@ def fit_surrogate(
         raise ValueError(f"Expected X (N, L, D) and y (N, L, H) with matching N and L, got {X.shape} and {y.shape}.")
     n, n_layers, d = X.shape
     n_heads = y.shape[2]
+    if rows is not None:
+        n = rows.numel()
     mlp_config = mlp_config or MLPConfig()
     hidden = None if model_type == "linear" else (mlp_config.hidden_dim or max(1, d // 8))
     surrogate = KVzapSurrogate(input_dim=d, output_dim=n_heads, n_modules=n_layers, hidden_dim=hidden)
     histories = []
     for layer in tqdm(range(n_layers), desc=f"fit {model_type}", unit="layer", disable=None):
-        X_l, y_l = _layer_arrays(X, y, layer)
+        X_l, y_l = _layer_arrays(X, y, layer, rows)
         start = time.perf_counter()
         if model_type == "linear":
             fitted, history = fit_layer_linear(X_l, y_l), {}
@@ -696,20 +706,23 @@ def leave_kinds_out(
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_types must be drawn from {MODEL_TYPES}, got {model_type!r}.")
     mlp_config = mlp_config or MLPConfig()
+    # Training and test rows stay in two tensors: a collection of 300 prompts holds several GB of hidden states.
     X, y, groups, row_kinds, manifest = _load_with_kinds(list(train_dirs))
-    n_train = X.shape[0]
+    labels = np.asarray(row_kinds)
     if test_dirs:
         X_t, y_t, groups_t, kinds_t, _ = _load_with_kinds(list(test_dirs))
         if X_t.shape[1:] != X.shape[1:] or y_t.shape[1:] != y.shape[1:]:
             raise ValueError("The test collections come from another model than the training collections.")
-        X, y, row_kinds = torch.cat([X, X_t]), torch.cat([y, y_t]), row_kinds + kinds_t
-        groups = torch.cat([groups, groups_t + int(groups.max()) + 1])
-    labels = np.asarray(row_kinds)
-    train_kinds = sorted(set(row_kinds[:n_train]))
-    kinds = train_kinds if kinds is None else list(kinds)
-    missing = sorted(set(kinds) - set(row_kinds))
+        groups_t = groups_t + int(groups.max()) + 1  # prompts of the test collections are other prompts
+    else:
+        X_t, y_t, groups_t, kinds_t = X[:0], y[:0], groups[:0], []
+    labels_t = np.asarray(kinds_t) if kinds_t else np.asarray([], dtype=object)
+    kinds = sorted(set(row_kinds)) if kinds is None else list(kinds)
+    missing = sorted(set(kinds) - set(row_kinds) - set(kinds_t))
     if missing:
-        raise ValueError(f"No rows of the kinds {missing} to test on; the collections hold {sorted(set(row_kinds))}.")
+        raise ValueError(
+            f"No rows of the kinds {missing} to test on; the collections hold {sorted(set(row_kinds) | set(kinds_t))}."
+        )
     report = {
         "model": manifest.get("model"),
         "train_dirs": [str(d) for d in train_dirs],
@@ -717,24 +730,28 @@ def leave_kinds_out(
         "mlp_config": asdict(mlp_config),
         "kinds": {},
     }
-    is_train = np.arange(X.shape[0]) < n_train
     for kind in kinds:
-        fit_rows = torch.from_numpy(np.flatnonzero(is_train & (labels != kind)))
-        test_rows = torch.from_numpy(np.flatnonzero(labels == kind))
+        fit_rows = torch.from_numpy(np.flatnonzero(labels != kind))
+        rows, rows_t = (
+            torch.from_numpy(np.flatnonzero(labels == kind)),
+            torch.from_numpy(np.flatnonzero(labels_t == kind)),
+        )
+        X_k, y_k = torch.cat([X[rows], X_t[rows_t]]), torch.cat([y[rows], y_t[rows_t]])  # (n_k, L, D), (n_k, L, H)
+        groups_k = torch.cat([groups[rows], groups_t[rows_t]])
         if fit_rows.numel() == 0:
             raise ValueError(
                 f"Holding out {kind!r} leaves no training rows: the training collections hold no other kind."
             )
         entry = {
             "n_train_pairs": int(fit_rows.numel()),
-            "n_test_pairs": int(test_rows.numel()),
-            "n_test_prompts": int(torch.unique(groups[test_rows]).numel()),
+            "n_test_pairs": int(groups_k.numel()),
+            "n_test_prompts": int(torch.unique(groups_k).numel()),
             "surrogates": {},
         }
         for model_type in model_types:
             start = time.perf_counter()
-            surrogate, _ = fit_surrogate(X[fit_rows], y[fit_rows], model_type, mlp_config=mlp_config)
-            result = evaluate_surrogate(surrogate, X[test_rows], y[test_rows], prompt_index=groups[test_rows])
+            surrogate, _ = fit_surrogate(X, y, model_type, mlp_config=mlp_config, rows=fit_rows)
+            result = evaluate_surrogate(surrogate, X_k, y_k, prompt_index=groups_k)
             result["fit_seconds"] = round(time.perf_counter() - start, 1)
             entry["surrogates"][model_type] = result
             logger.info("held out %s: %s R^2 %.3f", kind, model_type, result["mean_r2"])

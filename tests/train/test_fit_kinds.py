@@ -21,6 +21,7 @@ from train.fit import (
     evaluate_surrogate,
     fit_and_save,
     fit_layer_mlp,
+    fit_surrogate,
     kept_overlap,
     leave_kinds_out,
 )
@@ -164,6 +165,16 @@ def test_fit_and_save_reports_kinds_and_evaluate_saved(kinds_collections, tmp_pa
     both = evaluate_saved({"linear": surrogates["linear"]}, [root / "train", root / "test"], tmp_path / "eval2")
     assert both["n_prompts"] == 6  # prompt 0 of the test collection is not prompt 0 of the train collection
     assert isinstance(KVzapSurrogate.from_pretrained(surrogates["mlp"]), KVzapSurrogate)
+
+
+def test_fit_surrogate_on_rows_equals_fit_on_their_copy():
+    rng = np.random.default_rng(3)
+    X = torch.from_numpy(rng.normal(size=(300, 2, 8)).astype(np.float32))
+    y = torch.from_numpy(rng.normal(size=(300, 2, 2)).astype(np.float32))
+    rows = torch.arange(0, 300, 3)
+    on_rows, _ = fit_surrogate(X, y, "linear", rows=rows)
+    on_copy, _ = fit_surrogate(X[rows], y[rows], "linear")
+    torch.testing.assert_close(on_rows.forward_all(X), on_copy.forward_all(X))
 
 
 def test_top_weighted_mse():
