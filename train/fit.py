@@ -327,6 +327,8 @@ def kept_overlap(
     - ``dms``: like one threshold per layer (the DMS rule, calibrated on these texts): the top share of all
       ``(position, head)`` pairs of the layer, pooled over groups and heads.
 
+    A random ranking scores ``1 - eviction`` on both; the oracle itself scores 1.
+
     Collections hold a random sample of each prompt's positions, so the ranks are those within the sample.
 
     Parameters
@@ -560,7 +562,7 @@ def plot_kinds(results: dict[str, dict], path: str | os.PathLike, title: str = "
         raise ValueError("results hold no `per_kind` entry to plot; evaluate with the kinds of the rows.")
     kinds = sorted({kind for name in names for kind in results[name]["per_kind"]})
     x = np.arange(len(kinds))
-    fig, axes = plt.subplots(3, 1, figsize=(max(8, 1.1 * len(kinds)), 10), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(max(8, 1.1 * len(kinds)) + 2.5, 10), sharex=True)
     panels = [
         ("R$^2$ (squared Pearson)", None),
         ("kept-set overlap, DMS-like", "dms"),
@@ -584,7 +586,10 @@ def plot_kinds(results: dict[str, dict], path: str | os.PathLike, title: str = "
         ax.set_ylabel(label)
         ax.set_ylim(0, 1)
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7, ncol=len(names), loc="lower right")
+        if rule is not None:  # a random ranking keeps 1 - eviction of the oracle's set
+            for eviction in EVICTIONS:
+                ax.axhline(1 - eviction, color="grey", lw=0.6, ls=":")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     axes[-1].set_xticks(x, kinds, rotation=30, ha="right")
     if title:
         axes[0].set_title(title)
