@@ -130,7 +130,7 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     corpus = sub.add_parser(
         "build-corpus",
         help="Write an offline corpus (jsonl) from text installed on this machine, held-out sources apart.",
-        description="Gather code (Python, C, Perl, JavaScript, Java, shell), English docs, prose, dialogue, "
+        description="Gather code (Python, C, Perl, JavaScript, Rust, Java, shell), English docs, prose, dialogue, "
         "non-English text and LaTeX maths installed on this machine into a jsonl corpus (see train/corpus.py for "
         "what to install); whole sources (module, package) go to the test split, every record names its kind.",
     )
