@@ -748,6 +748,8 @@ def build_corpus(
         entry["test"] += info["test"]
         entry["subsets"].append(subset)
     summary["kinds"] = dict(sorted(kinds.items()))
+    _chitchat.cache_clear()  # 40 MB of parsed JSON and open archives are not needed after the scan
+    _zip_archive.cache_clear()
     corpus_file = out_dir / "corpus.jsonl"
     with corpus_file.open("w", encoding="utf-8") as f:
         for record in records:
