@@ -1,4 +1,4 @@
-r"""Command line of the KVzap training scripts: ``python -m train {build-corpus,collect,fit,all}``.
+r"""Command line of the KVzap training scripts: ``python -m train {build-corpus,collect,fit,evaluate-surrogates,all}``.
 
 Typical offline run on the default model::
 
@@ -103,6 +103,15 @@ def _add_fit_args(parser: argparse.ArgumentParser) -> None:
         "--valid-fraction", type=float, default=0.05, help="MLP validation split (default: %(default)s)."
     )
     group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: %(default)s).")
+    group.add_argument(
+        "--top-weight",
+        type=float,
+        default=0.0,
+        help="MLP: extra loss weight of the pairs above each head's --top-quantile (default: %(default)s, plain MSE).",
+    )
+    group.add_argument(
+        "--top-quantile", type=float, default=0.5, help="Where the top of the scores starts (default: %(default)s)."
+    )
 
 
 def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
@@ -123,8 +132,9 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     corpus = sub.add_parser(
         "build-corpus",
         help="Write an offline corpus (jsonl) from text installed on this machine, held-out sources apart.",
-        description="Gather Python stdlib code, package docs, man pages, Debian docs and rst help into a jsonl "
-        "corpus; whole sources (module, package) go to the test split.",
+        description="Gather code (Python, C, Perl, JavaScript, Rust, Java, shell), English docs, prose, dialogue, "
+        "non-English text and LaTeX maths installed on this machine into a jsonl corpus (see train/corpus.py for "
+        "what to install); whole sources (module, package) go to the test split, every record names its kind.",
     )
     corpus.add_argument("--out", type=Path, default=Path("outputs/corpus"), help="Output folder.")
     corpus.add_argument("--test-fraction", type=float, default=0.1, help="Held-out share (default: %(default)s).")
@@ -157,7 +167,27 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
         default=[],
         help="More training split folders, e.g. outputs/collect_seed1/train from `collect --splits train --seed 1`.",
     )
+    fit.add_argument(
+        "--leave-kinds-out",
+        nargs="*",
+        metavar="KIND",
+        default=None,
+        help="Instead of one fit: for each KIND (all kinds of the training prompts when none is named), fit "
+        "without it and test on it alone; writes OUT/leave_kinds_out.json and .png.",
+    )
     _add_fit_args(fit)
+
+    assess = sub.add_parser(
+        "evaluate-surrogates",
+        help="R^2 and kept-set overlaps per kind of text of saved surrogates on collections.",
+        description="Evaluate saved surrogates (e.g. the bundled ones) on collections made by `collect`; writes "
+        "OUT/eval.json and OUT/kinds.png.",
+    )
+    assess.add_argument(
+        "--surrogate", nargs="+", required=True, metavar="NAME=DIR", help="Surrogates, e.g. mlp=path/to/mlp."
+    )
+    assess.add_argument("--collection", type=Path, nargs="+", required=True, help="Collection split folders.")
+    assess.add_argument("--out", type=Path, default=Path("outputs/eval_surrogates"), help="Output folder.")
 
     gate = sub.add_parser(
         "gate",
@@ -260,8 +290,30 @@ def run_fit(args: argparse.Namespace, collection: Path, out: Path, extra_train: 
         valid_fraction=args.valid_fraction,
         weight_decay=args.weight_decay,
         seed=args.seed,
+        top_weight=args.top_weight,
+        top_quantile=args.top_quantile,
     )
     test_dir = collection / "test"
+    if getattr(args, "leave_kinds_out", None) is not None:
+        from .fit import leave_kinds_out
+
+        held_out = leave_kinds_out(
+            [collection / "train", *extra_train],
+            out,
+            test_dirs=[test_dir] if (test_dir / "manifest.json").exists() else [],
+            kinds=args.leave_kinds_out or None,
+            model_types=tuple(args.types),
+            mlp_config=config,
+        )
+        for kind, entry in held_out["kinds"].items():
+            for name, result in entry["surrogates"].items():
+                dms = result["overlap"]["dms"]
+                print(
+                    f"{kind:>12} held out, {name:>6}: R^2 {result['mean_r2']:.3f}, kept overlap (DMS-like) "
+                    f"{dms['0.5']['mean']:.2f} / {dms['0.67']['mean']:.2f} / {dms['0.8']['mean']:.2f} at 50/67/80% "
+                    f"evicted, {entry['n_test_prompts']} prompts"
+                )
+        return
     report = fit_and_save(
         [collection / "train", *extra_train],
         out,
@@ -339,6 +391,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> int:
         run_collect(args, args.out)
     elif args.command == "fit":
         run_fit(args, args.collection, args.out, args.extra_train)
+    elif args.command == "evaluate-surrogates":
+        from .fit import evaluate_saved
+
+        surrogates = dict(item.split("=", 1) if "=" in item else (Path(item).name, item) for item in args.surrogate)
+        report = evaluate_saved(surrogates, args.collection, args.out)
+        for name, entry in report["surrogates"].items():
+            for kind, result in entry["per_kind"].items():
+                dms = result["overlap"]["dms"]
+                print(
+                    f"{name:>6} {kind:>12}: R^2 {result['mean_r2']:.3f}, kept overlap (DMS-like) "
+                    f"{dms['0.5']['mean']:.2f} / {dms['0.67']['mean']:.2f} / {dms['0.8']['mean']:.2f} at 50/67/80% "
+                    f"evicted, {result['n_prompts']} prompts"
+                )
+        print(f"-> {args.out / 'eval.json'}, {args.out / 'kinds.png'}")
     elif args.command == "gate":
         run_gate(args)
     else:  # all
