@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -122,11 +123,41 @@ class BasePress(ABC):
 
     storage: str = field(default="compact", kw_only=True)
 
-    _stats: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict, init=False, repr=False, compare=False)
-    _calls: dict[nn.Module, tuple[PrunableLayer, bool]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    _prefilling: bool = field(default=False, init=False, repr=False, compare=False)
+    # Per-call state lives in thread-local storage (see ``_ThreadState``): one press may serve several models
+    # from several threads at once, each thread seeing only its own forwards. Shared between threads: the map of
+    # attention modules to the thread currently running their forward (a model runs one forward at a time).
+    _local: threading.local = field(default_factory=lambda: _ThreadState(), init=False, repr=False, compare=False)
+    _running: dict[nn.Module, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _lock: Any = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    # Locks and thread-local objects cannot be copied or pickled: a copy of a press starts with fresh ones.
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("_local", "_running", "_lock"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.update(_local=_ThreadState(), _running={}, _lock=threading.Lock())
+
+    @property
+    def _calls(self) -> dict[nn.Module, tuple[PrunableLayer, bool]]:
+        """Attention modules whose forward the calling thread is running -> (their cache layer, prefill?)."""
+        return self._local.calls
+
+    @property
+    def _stats(self) -> dict[int, tuple[torch.Tensor, int]]:
+        """Statistics of the last forward the calling thread ran under this press, per layer."""
+        return self._local.stats
+
+    @property
+    def _prefilling(self) -> bool:
+        return self._local.prefilling
+
+    @_prefilling.setter
+    def _prefilling(self, value: bool) -> None:
+        self._local.prefilling = value
 
     # --- what a press states about itself ------------------------------------------------------------------
     @property
@@ -190,7 +221,9 @@ class BasePress(ABC):
     def _require_stats(self) -> list[tuple[torch.Tensor, int]]:
         if not self._stats:
             raise RuntimeError(
-                "No compression statistics yet: run a forward pass (or the pipeline) under `with press(model):` first."
+                "No compression statistics yet in this thread: run a forward pass (or the pipeline) under "
+                "`with press(model):` first. Statistics are kept per thread: read them in the thread that ran "
+                "the forward."
             )
         return [self._stats[i] for i in sorted(self._stats)]
 
@@ -211,15 +244,27 @@ class BasePress(ABC):
 
     @property
     def compression_ratio(self) -> float:
-        """Share of KV pairs evicted in the last sequence, averaged over layers (read-only)."""
+        """Share of KV pairs evicted in the last sequence, averaged over layers (read-only).
+
+        "The last sequence" is the one of the last forward pass the calling thread ran under this press (on any
+        model): a press shared by several threads reports, in each thread, that thread's own sequence.
+        """
         return float(self.layer_compression_ratios.mean())
 
     # --- applying the press ------------------------------------------------------------------------------------
+    def before_layer(self, module: nn.Module, layer: PrunableLayer, prefill: bool) -> None:
+        """Called before an attention layer's forward, once its cache layer is known. Default: nothing.
+
+        The cache may have been cropped since the last forward (speculative decoding rejects draft tokens
+        between forwards): a press that deferred decisions takes them here, once no crop can undo them.
+        """
+
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         cache = _compat.cache_from_kwargs(kwargs)
         if cache is None:  # use_cache=False: nothing to prune
             unbind([module])
             return None
+        self._claim(module)
         idx = _compat.layer_index(module)
         layers = cache.layers
         if idx == 0:
@@ -235,11 +280,36 @@ class BasePress(ABC):
         if new_sequence and idx == 0:
             self._stats.clear()
         prefill = new_sequence or self._prefilling
+        self.before_layer(module, layer, prefill)
         bind(module, layer)
         self._calls[module] = (layer, prefill)
         return None
 
+    def _claim(self, module: nn.Module) -> None:
+        """Mark ``module`` as running in this thread; refuse a second thread running the same model concurrently.
+
+        The attention function finds its cache layer through a binding per attention module, so two forwards of
+        one model in two threads would read each other's caches.
+        """
+        me = threading.get_ident()
+        with self._lock:
+            owner = self._running.get(module)
+            if owner is not None and owner != me:
+                raise RuntimeError(
+                    "This model is already running a forward under the press in another thread: a model under a "
+                    "kvzap press runs one forward at a time. Use one model per thread (a press may be shared)."
+                )
+            self._running[module] = me
+
+    def _release_modules(self, modules) -> None:
+        me = threading.get_ident()
+        with self._lock:
+            for module in modules:
+                if self._running.get(module) == me:
+                    del self._running[module]
+
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        self._release_modules((module,))
         call = self._calls.pop(module, None)
         if call is None:
             return None
@@ -249,13 +319,13 @@ class BasePress(ABC):
             self._record(_compat.layer_index(module), layer)
         return None
 
-    @staticmethod
-    def _padding_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        if _compat.padded_rows(kwargs.get("attention_mask")):
-            raise ValueError(
-                "kvzap presses do not support padded batches (the attention mask contains zeros): "
-                "run sequences of equal length together, or one at a time."
-            )
+    def _forward_start_hook(self, modules: list[nn.Module], decoder: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Start of a forward of the decoder stack: drop what an earlier forward of this thread left behind when
+        it raised (its layers never reached their post-hook), then refuse inputs the press cannot serve."""
+        self._release_modules(modules)
+        for module in modules:
+            self._calls.pop(module, None)
+        _check_attention_mask(kwargs.get("attention_mask"))
 
     def _prefill_inputs_hook(
         self, model: PreTrainedModel, scorers: tuple[Scorer, ...], decoder: nn.Module, args: tuple, kwargs: dict
@@ -282,35 +352,66 @@ class BasePress(ABC):
         self.validate()
         if model.config._attn_implementation == ATTENTION_NAME:
             raise RuntimeError("A kvzap press is already applied to this model; presses cannot be nested.")
-        self.setup(model)
         modules = _compat.attention_modules(model)
-        ensure_registered()
-
+        self.setup(model)
         scorers = self.scorers()
-        readers = tuple(s for s in scorers if s.reads_prefill_inputs) if self.scores_needed else ()
-
-        original_attn = model.config._attn_implementation
-        handles = []
         try:
-            model.set_attn_implementation(ATTENTION_NAME)
-            decoder = _compat.decoder_model(model)
-            handles.append(decoder.register_forward_pre_hook(self._padding_hook, with_kwargs=True))
-            if readers:  # after the padding check: a padded batch is refused before any oracle forward
-                hook = functools.partial(self._prefill_inputs_hook, model, readers)
-                handles.append(decoder.register_forward_pre_hook(hook, with_kwargs=True))
-            for module in modules:
-                handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-                handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
-            yield model
+            ensure_registered()
+            readers = tuple(s for s in scorers if s.reads_prefill_inputs) if self.scores_needed else ()
+            original_attn = model.config._attn_implementation
+            handles = []
+            try:
+                model.set_attn_implementation(ATTENTION_NAME)
+                decoder = _compat.decoder_model(model)
+                start = functools.partial(self._forward_start_hook, modules)
+                handles.append(decoder.register_forward_pre_hook(start, with_kwargs=True))
+                if readers:  # after the padding check: a padded batch is refused before any oracle forward
+                    hook = functools.partial(self._prefill_inputs_hook, model, readers)
+                    handles.append(decoder.register_forward_pre_hook(hook, with_kwargs=True))
+                for module in modules:
+                    handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+                    handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
+                yield model
+            finally:
+                for handle in handles:
+                    handle.remove()
+                unbind(modules)
+                self._release_modules(modules)
+                for module in modules:
+                    self._calls.pop(module, None)
+                if model.config._attn_implementation != original_attn:
+                    model.set_attn_implementation(original_attn)
         finally:
-            for handle in handles:
-                handle.remove()
-            unbind(modules)
-            self._calls.clear()
-            if model.config._attn_implementation != original_attn:
-                model.set_attn_implementation(original_attn)
+            # Also when something failed after the scorers were set up: they count the models they serve.
             for scorer in scorers:
                 scorer.release()
+
+
+def _check_attention_mask(attention_mask: Any) -> None:
+    """Refuse the attention masks of padded batches, whatever their shape.
+
+    A 2-D mask ``(B, n)`` marks padding with zeros. A 4-D mask ``(B, 1, q, kv)`` is a custom pattern (padding,
+    packed sequences) that eviction cannot honour, since evicted pairs are hidden by kvzap's own masks: refused
+    whatever it holds.
+    """
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(
+            f"kvzap presses take attention_mask as a tensor (batch, tokens) or None, got "
+            f"{type(attention_mask).__name__}."
+        )
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"kvzap presses take a 2-D attention_mask (batch, tokens) of ones or none at all, got a "
+            f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}: custom masks (padding, packed "
+            "sequences) cannot be combined with eviction. Drop the mask and run sequences of equal length together."
+        )
+    if _compat.padded_rows(attention_mask):
+        raise ValueError(
+            "kvzap presses do not support padded batches (the attention mask contains zeros): "
+            "run sequences of equal length together, or one at a time."
+        )
 
 
 def _check_cache_layers(layers: list) -> None:
@@ -323,3 +424,12 @@ def _check_cache_layers(layers: list) -> None:
                 "The cache already holds tokens that were processed without the press. Apply the press before "
                 "the first forward of the sequence (prefill under `with press(model):`), or pass a fresh cache."
             )
+
+
+class _ThreadState(threading.local):
+    """The per-call state of a press, one instance per thread."""
+
+    def __init__(self) -> None:
+        self.calls: dict[nn.Module, tuple[PrunableLayer, bool]] = {}
+        self.stats: dict[int, tuple[torch.Tensor, int]] = {}
+        self.prefilling = False
