@@ -41,7 +41,8 @@ class KVPressTextGenerationPipeline(Pipeline):
     max_new_tokens : int, default 50.
     max_context_length : int, the context is truncated (with a warning) beyond this many tokens.
     enable_thinking : bool, passed to chat templates that support it (Qwen3).
-    cache : a ``transformers.DynamicCache`` to fill (one is created when None).
+    cache : an empty ``transformers.DynamicCache`` to fill (one is created when None); a cache that already holds
+        tokens is refused (ValueError), since the context starts at position 0.
     prefill_chunk_size : int, prefill the context in chunks of this many tokens, each pruned after its forward
         (keeps the cache near its pruned size during prefill); None (default) prefills densely in one forward,
         the paper's setting.
@@ -132,6 +133,12 @@ class KVPressTextGenerationPipeline(Pipeline):
     ):
         model = self.model
         context_ids = inputs["context_ids"].to(model.device)
+        if cache is not None and any(layer.get_seq_length() > 0 for layer in cache.layers):
+            # The context would be appended after the old tokens, with positions restarting at 0: refuse it.
+            raise ValueError(
+                "cache must be empty: the pipeline prefills the context into it from position 0. Pass a fresh "
+                "`DynamicCache(config=model.config)` (or none: one is created), and read it after the call."
+            )
         cache = cache if cache is not None else _compat.new_dynamic_cache(model)
         cache_kw = _compat.cache_kwarg_name(model)
         n_context = context_ids.shape[1]

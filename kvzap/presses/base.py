@@ -30,7 +30,7 @@ from kvzap.compact import compact_layer_like
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Scorer", "BasePress", "STORAGES"]
+__all__ = ["Scorer", "BasePress", "STORAGES", "check_scores"]
 
 #: How evicted pairs are stored: "compact" frees them (per-head buffers, sliding-window layers stay masked);
 #: "masked" keeps the dense cache and hides them (the reference for tests and benchmarks).
@@ -108,6 +108,26 @@ class Scorer(ABC):
         q_len = hidden_states.shape[1]
         positions = torch.arange(layer.seen - q_len, layer.seen, device=hidden_states.device)
         return self.score(module, hidden_states, layer.last_keys, layer.last_values, positions)
+
+
+def check_scores(scores: torch.Tensor, scorer: Scorer, module: nn.Module) -> torch.Tensor:
+    """Refuse NaN scores: ``score < threshold`` is False for NaN, so they would silently evict nothing.
+
+    One device sync per scorer call; presses call it where they already score a batch (a prefill, or up to 16
+    decoded tokens), not on every decoding step.
+
+    Raises
+    ------
+    ValueError
+        Naming the scorer and the layer.
+    """
+    if bool(torch.isnan(scores).any()):
+        raise ValueError(
+            f"{type(scorer).__name__} returned NaN scores for layer {_compat.layer_index(module)}: NaN cannot be "
+            "compared with a threshold. Check the scorer's weights (a surrogate trained to NaN, or loaded in a dtype "
+            "that overflows) and the model's hidden states."
+        )
+    return scores
 
 
 @dataclass

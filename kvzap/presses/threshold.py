@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvzap.cache import PrunableLayer
-from kvzap.presses.base import BasePress, Scorer
+from kvzap.presses.base import BasePress, Scorer, check_scores
 
 __all__ = ["DMSThresholdPress"]
 
@@ -208,4 +208,4 @@ class DMSThresholdPress(BasePress):
             keys = torch.cat([k for _, k, _ in unscored], dim=2)  # (B, H, q, d)
             values = torch.cat([v for _, _, v in unscored], dim=2)
         positions = torch.arange(first, first + hidden.shape[1], device=hidden.device)
-        return self.scorer.score(module, hidden, keys, values, positions)
+        return check_scores(self.scorer.score(module, hidden, keys, values, positions), self.scorer, module)

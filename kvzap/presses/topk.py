@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kvzap.cache import PrunableLayer
-from kvzap.presses.base import BasePress, Scorer
+from kvzap.presses.base import BasePress, Scorer, check_scores
 
 __all__ = ["TopKPress"]
 
@@ -48,6 +48,7 @@ class TopKPress(BasePress):
         n_evict = int(q_len * self.target_compression)
         if n_evict > 0:
             scores = self.scorer.score_new_pairs(module, layer, hidden_states)  # (B, H, q)
+            check_scores(scores, self.scorer, module)
             lowest = scores.topk(n_evict, dim=-1, largest=False).indices  # (B, H, n_evict)
             mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, lowest, True)
             layer.evict(layer.seen - q_len, mask)
