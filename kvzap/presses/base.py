@@ -172,6 +172,17 @@ class BasePress(ABC):
         return self._local.stats
 
     @property
+    def _forward_drafts(self) -> int | None:
+        """Trailing tokens of the calling thread's current forward that may be cropped after it (the drafts of
+        speculative decoding), or None when unknown.
+
+        ``generate`` asks the model for the logits of the drafts plus one (``logits_to_keep = drafts + 1``) in
+        assisted and prompt-lookup decoding, and for one logit otherwise; a forward with all its logits (a hand
+        written loop) says nothing.
+        """
+        return self._local.drafts
+
+    @property
     def _prefilling(self) -> bool:
         return self._local.prefilling
 
@@ -288,6 +299,11 @@ class BasePress(ABC):
         idx = _compat.layer_index(module)
         layers = cache.layers
         if idx == 0:
+            if getattr(cache, "offloading", False):
+                raise TypeError(
+                    "kvzap presses cannot prune an offloaded cache (layers moved between devices by the cache): "
+                    "pass no cache (one is created) or a `transformers.DynamicCache` without offloading."
+                )
             _check_cache_layers(layers)
         if len(layers) <= idx:
             # Lazily built cache (DynamicCache() without a config): create this layer ourselves.
@@ -339,13 +355,37 @@ class BasePress(ABC):
             self._record(_compat.layer_index(module), layer)
         return None
 
+    def _model_start_hook(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Start of a forward of the whole model: note how many of its tokens are drafts (see _forward_drafts)."""
+        keep = kwargs.get("logits_to_keep")
+        self._local.next_drafts = (
+            keep - 1 if isinstance(keep, int) and not isinstance(keep, bool) and keep > 0 else None
+        )
+
     def _forward_start_hook(self, modules: list[nn.Module], decoder: nn.Module, args: tuple, kwargs: dict) -> None:
         """Start of a forward of the decoder stack: drop what an earlier forward of this thread left behind when
         it raised (its layers never reached their post-hook), then refuse inputs the press cannot serve."""
+        # What the model's own forward said about drafts; None when the decoder is called directly.
+        self._local.drafts, self._local.next_drafts = self._local.next_drafts, None
         self._release_modules(modules)
         for module in modules:
             self._calls.pop(module, None)
         _check_attention_mask(kwargs.get("attention_mask"))
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 0:
+            raise ValueError(
+                f"The input holds no token (shape {tuple(inputs.shape)}): pass at least one token per sequence."
+            )
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions is None:
+            output_attentions = getattr(decoder.config, "output_attentions", False)
+        if output_attentions:
+            raise ValueError(
+                "output_attentions=True is not supported under a kvzap press: its attention function computes no "
+                "attention weights. Drop output_attentions, or run without the press (eager attention) to get them."
+            )
 
     def _prefill_inputs_hook(
         self, model: PreTrainedModel, scorers: tuple[Scorer, ...], decoder: nn.Module, args: tuple, kwargs: dict
@@ -383,6 +423,7 @@ class BasePress(ABC):
             try:
                 model.set_attn_implementation(ATTENTION_NAME)
                 decoder = _compat.decoder_model(model)
+                handles.append(model.register_forward_pre_hook(self._model_start_hook, with_kwargs=True))
                 start = functools.partial(self._forward_start_hook, modules)
                 handles.append(decoder.register_forward_pre_hook(start, with_kwargs=True))
                 if readers:  # after the padding check: a padded batch is refused before any oracle forward
@@ -453,3 +494,5 @@ class _ThreadState(threading.local):
         self.calls: dict[nn.Module, tuple[PrunableLayer, bool]] = {}
         self.stats: dict[int, tuple[torch.Tensor, int]] = {}
         self.prefilling = False
+        self.drafts: int | None = None
+        self.next_drafts: int | None = None

@@ -141,7 +141,7 @@ class DMSThresholdPress(BasePress):
         return pending, start, unscored, n_pending, keep - n_pending
 
     def before_layer(self, module: nn.Module, layer: PrunableLayer, prefill: bool) -> None:
-        # Take the decisions the last multi-token step deferred (its draft tokens could still be rejected then).
+        # Take the decisions the last forward deferred (its draft tokens could still be rejected then).
         if not self.decoding or prefill or not self.scores_needed or layer.seen == 0:
             return
         self._decide(module, layer, None, layer.seen, score_all=False)
@@ -152,10 +152,15 @@ class DMSThresholdPress(BasePress):
         if not self.scores_needed:
             return True  # nothing to score, nothing evicted (the statistics are still recorded)
         q_len = hidden_states.shape[1]
-        # A decoding step of several tokens (speculative decoding: the last token plus drafts) may see all its
-        # tokens but the first cropped before the next forward: decide only as if its first token were the last;
-        # the next forward's pre-hook catches up once the crop is done. A prefill is never cropped.
-        committed = layer.seen if prefill else layer.seen - q_len + 1
+        # Speculative decoding runs the last token plus draft tokens, then crops the rejected drafts: decide only
+        # for the tokens before the drafts; the next forward's pre-hook catches up once the crop is done. How
+        # many drafts a forward holds is known when `generate` runs it (also in its first forward, which holds
+        # the prompt and the first drafts); otherwise a decoding step of several tokens is taken to be the last
+        # token plus drafts, and a prefill to hold none.
+        drafts = self._forward_drafts
+        if drafts is None:
+            drafts = 0 if prefill else q_len - 1
+        committed = layer.seen - min(drafts, q_len - 1)
         self._decide(module, layer, (hidden_states, layer.last_keys, layer.last_values), committed, score_all=prefill)
         return True
 
