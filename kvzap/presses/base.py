@@ -147,7 +147,7 @@ class BasePress(ABC):
     # from several threads at once, each thread seeing only its own forwards. Shared between threads: the map of
     # attention modules to the thread currently running their forward (a model runs one forward at a time).
     _local: threading.local = field(default_factory=lambda: _ThreadState(), init=False, repr=False, compare=False)
-    _running: dict[nn.Module, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _running: dict[nn.Module, tuple[int, int]] = field(default_factory=dict, init=False, repr=False, compare=False)
     _lock: Any = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     # Locks and thread-local objects cannot be copied or pickled: a copy of a press starts with fresh ones.
@@ -295,7 +295,6 @@ class BasePress(ABC):
         if cache is None:  # use_cache=False: nothing to prune
             unbind([module])
             return None
-        self._claim(module)
         idx = _compat.layer_index(module)
         layers = cache.layers
         if idx == 0:
@@ -321,31 +320,36 @@ class BasePress(ABC):
         self._calls[module] = (layer, prefill)
         return None
 
-    def _claim(self, module: nn.Module) -> None:
-        """Mark ``module`` as running in this thread; refuse a second thread running the same model concurrently.
+    def _claim(self, decoder: nn.Module) -> None:
+        """Mark the model's decoder as running a forward in this thread; refuse a second thread meanwhile.
 
-        The attention function finds its cache layer through a binding per attention module, so two forwards of
-        one model in two threads would read each other's caches.
+        The attention function finds its cache layer through a binding per attention module, so two concurrent
+        forwards of one model would read each other's caches. Nested forwards of one thread (an oracle's extra
+        forward) are counted.
         """
         me = threading.get_ident()
         with self._lock:
-            owner = self._running.get(module)
-            if owner is not None and owner != me:
+            owner, depth = self._running.get(decoder, (me, 0))
+            if owner != me:
                 raise RuntimeError(
                     "This model is already running a forward under the press in another thread: a model under a "
-                    "kvzap press runs one forward at a time. Use one model per thread (a press may be shared)."
+                    "kvzap press runs one forward at a time. Use one model per thread (a press may be shared), "
+                    "or a lock around the forwards."
                 )
-            self._running[module] = me
+            self._running[decoder] = (me, depth + 1)
 
-    def _release_modules(self, modules) -> None:
+    def _unclaim(self, decoder: nn.Module, *_: Any) -> None:
+        """End of a forward of the decoder (also when it raised)."""
         me = threading.get_ident()
         with self._lock:
-            for module in modules:
-                if self._running.get(module) == me:
-                    del self._running[module]
+            owner, depth = self._running.get(decoder, (None, 0))
+            if owner == me:
+                if depth > 1:
+                    self._running[decoder] = (me, depth - 1)
+                else:
+                    del self._running[decoder]
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-        self._release_modules((module,))
         call = self._calls.pop(module, None)
         if call is None:
             return None
@@ -367,9 +371,10 @@ class BasePress(ABC):
         it raised (its layers never reached their post-hook), then refuse inputs the press cannot serve."""
         # What the model's own forward said about drafts; None when the decoder is called directly.
         self._local.drafts, self._local.next_drafts = self._local.next_drafts, None
-        self._release_modules(modules)
-        for module in modules:
-            self._calls.pop(module, None)
+        if self._running.get(decoder, (None, 0))[0] != threading.get_ident():
+            # Not nested in a forward of this thread: nothing of an earlier forward may linger.
+            for module in modules:
+                self._calls.pop(module, None)
         _check_attention_mask(kwargs.get("attention_mask"))
         inputs = kwargs.get("input_ids", args[0] if args else None)
         if inputs is None:
@@ -386,6 +391,7 @@ class BasePress(ABC):
                 "output_attentions=True is not supported under a kvzap press: its attention function computes no "
                 "attention weights. Drop output_attentions, or run without the press (eager attention) to get them."
             )
+        self._claim(decoder)
 
     def _prefill_inputs_hook(
         self, model: PreTrainedModel, scorers: tuple[Scorer, ...], decoder: nn.Module, args: tuple, kwargs: dict
@@ -413,6 +419,7 @@ class BasePress(ABC):
         if model.config._attn_implementation == ATTENTION_NAME:
             raise RuntimeError("A kvzap press is already applied to this model; presses cannot be nested.")
         modules = _compat.attention_modules(model)
+        decoder = _compat.decoder_model(model)
         self.setup(model)
         scorers = self.scorers()
         try:
@@ -422,10 +429,10 @@ class BasePress(ABC):
             handles = []
             try:
                 model.set_attn_implementation(ATTENTION_NAME)
-                decoder = _compat.decoder_model(model)
                 handles.append(model.register_forward_pre_hook(self._model_start_hook, with_kwargs=True))
                 start = functools.partial(self._forward_start_hook, modules)
                 handles.append(decoder.register_forward_pre_hook(start, with_kwargs=True))
+                handles.append(decoder.register_forward_hook(self._unclaim, always_call=True))
                 if readers:  # after the padding check: a padded batch is refused before any oracle forward
                     hook = functools.partial(self._prefill_inputs_hook, model, readers)
                     handles.append(decoder.register_forward_pre_hook(hook, with_kwargs=True))
@@ -437,7 +444,8 @@ class BasePress(ABC):
                 for handle in handles:
                     handle.remove()
                 unbind(modules)
-                self._release_modules(modules)
+                with self._lock:
+                    self._running.pop(decoder, None)
                 for module in modules:
                     self._calls.pop(module, None)
                 if model.config._attn_implementation != original_attn:

@@ -75,7 +75,7 @@ def inf_press(storage: str = "compact", **kwargs) -> DMSThresholdPress:
 
 
 def pruning_press(storage: str = "compact", window: int = 4, decoding: bool = True, **kwargs) -> DMSThresholdPress:
-    """A press that evicts about half of the pairs outside a small window (minus the key norms of the tiny models are around -0.6)."""
+    """A press evicting about half of the pairs outside a small window (minus a tiny model's key norm is ~ -0.6)."""
     return DMSThresholdPress(
         KeyNormScorer(), threshold=-0.6, sliding_window_size=window, decoding=decoding, storage=storage, **kwargs
     )
