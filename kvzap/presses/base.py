@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -30,7 +31,7 @@ from kvzap.compact import compact_layer_like
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Scorer", "BasePress", "STORAGES", "check_scores"]
+__all__ = ["Scorer", "BasePress", "STORAGES", "as_bool", "as_number", "check_scores"]
 
 #: How evicted pairs are stored: "compact" frees them (per-head buffers, sliding-window layers stay masked);
 #: "masked" keeps the dense cache and hides them (the reference for tests and benchmarks).
@@ -108,6 +109,29 @@ class Scorer(ABC):
         q_len = hidden_states.shape[1]
         positions = torch.arange(layer.seen - q_len, layer.seen, device=hidden_states.device)
         return self.score(module, hidden_states, layer.last_keys, layer.last_values, positions)
+
+
+def as_number(name: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> Any:
+    """``value`` as a Python int/float (numpy scalars included), or a TypeError naming ``name``.
+
+    bool is refused (``True`` as a threshold or a window size is always a bug); ranges are checked by the caller.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got a bool ({value!r}).")
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if not integer and isinstance(value, (float, np.floating)):
+        return float(value)
+    raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {type(value).__name__} ({value!r}).")
+
+
+def as_bool(name: str, value: Any) -> bool:
+    """``value`` as a Python bool (numpy bools included), or a TypeError naming ``name``."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {type(value).__name__} ({value!r}).")
 
 
 def check_scores(scores: torch.Tensor, scorer: Scorer, module: nn.Module) -> torch.Tensor:
@@ -207,7 +231,7 @@ class BasePress(ABC):
 
         Subclasses extend it and call ``super().validate()``.
         """
-        if self.storage not in STORAGES:
+        if not isinstance(self.storage, str) or self.storage not in STORAGES:
             raise ValueError(f"storage must be one of {', '.join(map(repr, STORAGES))}, got {self.storage!r}.")
 
     def setup(self, model: PreTrainedModel) -> None:

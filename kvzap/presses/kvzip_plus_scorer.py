@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvzap import _compat
 from kvzap.kvzip import _template_ids, build_prefill_repeat_prompt, kvzip_plus_scores
-from kvzap.presses.base import Scorer
+from kvzap.presses.base import Scorer, as_number
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ class KVzipPlusScorer(Scorer):
                 f"tokenizer must be a transformers tokenizer (AutoTokenizer.from_pretrained(...)) or None, "
                 f"got {type(tokenizer).__name__}."
             )
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        chunk_size = as_number("chunk_size", chunk_size, integer=True)
+        if chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size

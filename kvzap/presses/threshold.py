@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvzap.cache import PrunableLayer
-from kvzap.presses.base import BasePress, Scorer, check_scores
+from kvzap.presses.base import BasePress, Scorer, as_bool, as_number, check_scores
 
 __all__ = ["DMSThresholdPress"]
 
@@ -55,9 +55,16 @@ class DMSThresholdPress(BasePress):
         self.validate()
 
     def __setattr__(self, name, value) -> None:
-        # `press.decoding = True` after construction must be checked as strictly as the constructor.
-        if name == "decoding" and value and "scorer" in self.__dict__:
-            self._check_decoding(self.scorer)
+        # Setting a parameter after construction is checked as strictly as the constructor; numpy scalars become
+        # Python numbers (so that the repr identifies a run).
+        if name == "threshold":
+            value = as_number("threshold", value, allow_none=True)
+        elif name == "sliding_window_size":
+            value = as_number("sliding_window_size", value, integer=True)
+        elif name == "decoding":
+            value = as_bool("decoding", value)
+            if value and "scorer" in self.__dict__:
+                self._check_decoding(self.scorer)
         super().__setattr__(name, value)
 
     @staticmethod
@@ -76,15 +83,12 @@ class DMSThresholdPress(BasePress):
             )
         if self.threshold is None:
             raise ValueError("threshold is required, e.g. DMSThresholdPress(KVzapScorer(), threshold=-4).")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
-            raise TypeError(f"threshold must be a number, got {type(self.threshold).__name__}.")
+        self.threshold = as_number("threshold", self.threshold)
         if math.isnan(self.threshold):
             raise ValueError("threshold is NaN; use a finite number, or -inf to evict nothing.")
-        if isinstance(self.sliding_window_size, bool) or not isinstance(self.sliding_window_size, int):
-            raise TypeError(f"sliding_window_size must be an int, got {type(self.sliding_window_size).__name__}.")
         if self.sliding_window_size < 0:
             raise ValueError(f"sliding_window_size must be >= 0, got {self.sliding_window_size}.")
-        if self.decoding:
+        if as_bool("decoding", self.decoding):
             self._check_decoding(self.scorer)
 
     @property

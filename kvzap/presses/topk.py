@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kvzap.cache import PrunableLayer
-from kvzap.presses.base import BasePress, Scorer, check_scores
+from kvzap.presses.base import BasePress, Scorer, as_number, check_scores
 
 __all__ = ["TopKPress"]
 
@@ -34,8 +34,8 @@ class TopKPress(BasePress):
         super().validate()
         if not isinstance(self.scorer, Scorer):
             raise TypeError(f"scorer must be a kvzap Scorer, got {type(self.scorer).__name__}.")
-        ratio = self.target_compression
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+        ratio = self.target_compression = as_number("target_compression", self.target_compression)
+        if not 0 <= ratio < 1:  # also False for NaN
             raise ValueError(f"target_compression must be a number in [0, 1), got {ratio!r}.")
 
     def setup(self, model) -> None:
