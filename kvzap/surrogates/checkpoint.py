@@ -140,7 +140,15 @@ def resolve_checkpoint_files(
         not exist, or the repo id is invalid.
     """
     local = Path(path_or_repo_id).expanduser()
-    if local.is_dir():
+    try:
+        is_dir, exists = local.is_dir(), local.exists()
+    except (OSError, ValueError) as error:  # name too long, NUL byte, permission denied on a parent
+        shown = str(path_or_repo_id)
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        raise SurrogateNotFoundError(
+            f"The surrogate path {shown!r} cannot be used ({type(error).__name__}: {error.args[-1]}). {_HOW_TO_FIX}"
+        ) from error
+    if is_dir:
         files = (local / CONFIG_NAME, local / WEIGHTS_NAME)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -149,7 +157,7 @@ def resolve_checkpoint_files(
                 f"A surrogate checkpoint holds {CONFIG_NAME} and {WEIGHTS_NAME}. {_HOW_TO_FIX}"
             )
         return files
-    if local.exists():
+    if exists:
         raise SurrogateNotFoundError(
             f"{str(local)!r} is a file, but a surrogate checkpoint is a directory holding {CONFIG_NAME} and "
             f"{WEIGHTS_NAME}. Pass the directory instead."

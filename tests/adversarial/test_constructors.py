@@ -100,6 +100,7 @@ def test_target_compression(ratio):
         assert not (_is_real(ratio) and 0 <= float(ratio) < 1)
         return
     assert _is_real(ratio) and 0 <= float(ratio) < 1
+    assert type(press.target_compression) in (int, float)  # numpy scalars are normalised
 
 
 @settings(max_examples=60, deadline=None)
@@ -151,7 +152,7 @@ def test_random_scorer_seed(seed):
         assert "seed" in str(error)
         assert not (_is_int(seed) and 0 <= seed < 2**63)
         return
-    assert _is_int(seed)
+    assert _is_int(seed) and type(scorer.seed) is int
 
 
 @settings(max_examples=60, deadline=None)
