@@ -15,9 +15,9 @@ STORAGES = ["compact", "masked"]
 MODES = {
     "greedy": dict(do_sample=False),
     "sampling": dict(do_sample=True, temperature=0.7, top_k=20),
-    "beams": dict(num_beams=3, do_sample=False),
-    "beams_return_2": dict(num_beams=3, num_return_sequences=2, do_sample=False),
-    "sampling_return_2": dict(do_sample=True, num_return_sequences=2),
+    "beams": dict(num_beams=2, do_sample=False, max_new_tokens=5),
+    "beams_return_2": dict(num_beams=2, num_return_sequences=2, do_sample=False, max_new_tokens=5),
+    "sampling_return_2": dict(do_sample=True, num_return_sequences=2, max_new_tokens=5),
     "min_new_tokens": dict(do_sample=False, min_new_tokens=6),
     "one_new_token": dict(do_sample=False, max_new_tokens=1),
     "no_cache": dict(do_sample=False, use_cache=False),
@@ -281,7 +281,9 @@ def test_max_new_tokens_edges_raise_what_transformers_raises(model, n_new):
     assert str(reference.value)
 
 
-@pytest.mark.parametrize("implementation", ["eager", "sdpa", "flex_attention"])
+@pytest.mark.parametrize(
+    "implementation", ["eager", "sdpa", pytest.param("flex_attention", marks=pytest.mark.slow)]  # flex: ~3 s
+)
 def test_every_attention_implementation_is_restored_and_gives_its_tokens(implementation):
     model = tiny_model("llama")
     try:

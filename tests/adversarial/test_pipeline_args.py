@@ -49,7 +49,7 @@ def pipe(model):
     return pipeline("kv-press-text-generation", model=model, tokenizer=char_tokenizer())
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(ARGUMENTS), value=VALUES)
 def test_any_argument_value_answers_or_is_refused_naming_it(pipe, model, name, value):
     kwargs = {"max_new_tokens": 2, "press": pruning_press(), name: value}
