@@ -7,6 +7,13 @@ revisited. In prefill the whole prompt is scored at once and evicted after that 
 prefill); with ``decoding=True`` the scores of generated (and question) tokens wait in a buffer until they
 leave the window. Generated tokens are scored in batches of up to 16 (the scorer is a per-pair function, so this
 changes no score, only the number of calls): a batch is always scored before its first token leaves the window.
+
+Speculative decoding (``assistant_model=``, ``prompt_lookup_num_tokens=``) runs draft tokens and then crops the
+rejected ones. A decision is only taken for tokens that no crop can remove: the tokens before a forward's drafts
+(``generate`` says how many through ``logits_to_keep``; a decoding step of several tokens is otherwise taken to be
+one token plus drafts). The decisions a forward deferred are taken before the next forward's attention, once the
+crop is done, and a crop trims the buffered scores instead of discarding them. The window is thus never evicted.
+NaN scores raise a ValueError where a batch is scored (no device sync per decoding step).
 """
 
 from __future__ import annotations
