@@ -282,7 +282,8 @@ def test_max_new_tokens_edges_raise_what_transformers_raises(model, n_new):
 
 
 @pytest.mark.parametrize(
-    "implementation", ["eager", "sdpa", pytest.param("flex_attention", marks=pytest.mark.slow)]  # flex: ~3 s
+    "implementation",
+    ["eager", "sdpa", pytest.param("flex_attention", marks=pytest.mark.slow)],  # flex: ~3 s
 )
 def test_every_attention_implementation_is_restored_and_gives_its_tokens(implementation):
     model = tiny_model("llama")
