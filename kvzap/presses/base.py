@@ -322,12 +322,7 @@ class BasePress(ABC):
         idx = _compat.layer_index(module)
         layers = cache.layers
         if idx == 0:
-            if getattr(cache, "offloading", False):
-                raise TypeError(
-                    "kvzap presses cannot prune an offloaded cache (layers moved between devices by the cache): "
-                    "pass no cache (one is created) or a `transformers.DynamicCache` without offloading."
-                )
-            _check_cache_layers(layers)
+            _check_cache(cache)
         if len(layers) <= idx:
             # Lazily built cache (DynamicCache() without a config): create this layer ourselves.
             new_layer = STORAGES[self.storage]
@@ -399,6 +394,9 @@ class BasePress(ABC):
             # Not nested in a forward of this thread: nothing of an earlier forward may linger.
             for module in modules:
                 self._calls.pop(module, None)
+        cache = _compat.cache_from_kwargs(kwargs)
+        if cache is not None:  # before the mask: transformers 5.2 gives a static cache a 4-D mask
+            _check_cache(cache)
         _check_attention_mask(kwargs.get("attention_mask"))
         inputs = kwargs.get("input_ids", args[0] if args else None)
         if inputs is None:
@@ -507,8 +505,14 @@ def _check_attention_mask(attention_mask: Any) -> None:
         )
 
 
-def _check_cache_layers(layers: list) -> None:
-    for layer in layers:
+def _check_cache(cache: Any) -> None:
+    """Refuse caches the press cannot prune (offloaded, static, quantized, or filled without the press)."""
+    if getattr(cache, "offloading", False):
+        raise TypeError(
+            "kvzap presses cannot prune an offloaded cache (layers moved between devices by the cache): "
+            "pass no cache (one is created) or a `transformers.DynamicCache` without offloading."
+        )
+    for layer in getattr(cache, "layers", ()):
         if isinstance(layer, PrunableLayer):
             continue
         prunable_layer_like(layer)  # raises TypeError for layers we cannot prune
