@@ -233,3 +233,18 @@ def test_a_pruned_cache_used_after_the_with_block(model, storage):
         assert "press" in str(error)
     else:
         assert torch.allclose(after, expected, atol=1e-5)
+
+
+def test_an_oracle_scorer_serves_one_applied_press_at_a_time():
+    from kvzap import KVzipPlusScorer, TopKPress
+    from tests.conftest import char_tokenizer
+
+    a, b = tiny_model("llama"), tiny_model("llama", seed=1)
+    scorer = KVzipPlusScorer(char_tokenizer())
+    with TopKPress(scorer, target_compression=0.5)(a):
+        before = model_fingerprint(b)
+        with pytest.raises(RuntimeError, match="its own scorer"), TopKPress(scorer, target_compression=0.5)(b):
+            pass
+        assert_model_unchanged(before, b)
+    with TopKPress(scorer, target_compression=0.5)(b):  # free again once the first press is removed
+        b(random_ids(1, 12))
