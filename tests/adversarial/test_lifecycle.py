@@ -184,22 +184,21 @@ def test_one_model_in_two_threads_at_once_is_refused(model):
 
 
 def test_one_scorer_cannot_serve_two_models_with_other_weights_at_once(tmp_path):
+    """A learned scorer holds the weights of one model (resolved from its name): a second model with another
+    name while the first press is applied would swap them under the first one's feet."""
     a, b = tiny_model("llama"), tiny_model("llama")
     b.config._name_or_path = "another-model"
-    for m in (a, b):
-        torch.manual_seed(0)
-        KVzapSurrogate(64, 2, 2, hidden_dim=8).save_pretrained(tmp_path / m.config._name_or_path)
-    scorer_press = DMSThresholdPress(KVzapScorer("mlp"), threshold=0.0)
-    # Bundled surrogates are looked up by name; these tiny models have none, so give each a directory.
-    pa = DMSThresholdPress(KVzapScorer("mlp", surrogate=tmp_path / "tiny-llama"), threshold=0.0)
+    torch.manual_seed(0)
+    KVzapSurrogate(64, 2, 2, hidden_dim=8).save_pretrained(tmp_path)
+    pa = DMSThresholdPress(KVzapScorer("mlp", surrogate=tmp_path), threshold=0.0)
     with pa(a):
         before = model_fingerprint(b)
-        pb = DMSThresholdPress(pa.scorer, threshold=0.0)
-        b.config._name_or_path = "tiny-llama-on-another-device"
-        with pytest.raises(RuntimeError, match="give each model its own scorer"), pb(b):
-            pass
+        with pytest.raises(RuntimeError, match="give each model its own scorer"):
+            with DMSThresholdPress(pa.scorer, threshold=0.0)(b):
+                pass
         assert_model_unchanged(before, b)
-    assert scorer_press.threshold == 0.0
+    with DMSThresholdPress(pa.scorer, threshold=0.0)(b):  # free again once the first press is removed
+        b(random_ids(1, 8))
 
 
 def test_a_press_can_be_copied_and_pickled():
