@@ -105,9 +105,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     from kvzap.calibrate import calibrate, collect_scores, compression_curve
     from kvzap.models import load_model
 
+    if args.texts:
+        missing = [p for p in args.texts if not Path(p).is_file()]
+        if missing:  # checked before the model is loaded
+            raise FileNotFoundError(f"--texts: no such file: {', '.join(missing)}. Pass readable text files.")
     model, tokenizer = load_model(args.model)
     if args.texts:
-        texts = [Path(p).read_text() for p in args.texts]
+        texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in args.texts]
     else:  # the demo's documentation text, cut into independent samples
         words = demo_context(tokenizer, args.max_tokens * 3).split()
         size = len(words) // 3
@@ -138,6 +142,60 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_local_paths(args: argparse.Namespace) -> None:
+    """Refuse --model/--surrogate paths that do not exist before anything is loaded (a path is not a Hub id)."""
+    from pathlib import Path
+
+    from kvzap.surrogates.checkpoint import _looks_like_local_path
+
+    for flag in ("model", "surrogate"):
+        value = getattr(args, flag, None)
+        if value and _looks_like_local_path(value) and not Path(value).expanduser().is_dir():
+            raise FileNotFoundError(
+                f"--{flag}: no directory {value!r}. Pass an existing local directory, or a Hub id ('owner/name')."
+            )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _threshold(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number (or -inf), got {text!r}") from None
+    if value != value:
+        raise argparse.ArgumentTypeError("the threshold cannot be NaN; use a number, or -inf to evict nothing")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a compression ratio in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"expected a compression ratio in [0, 1), got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvzap", description="KVzap: adaptive KV-cache pruning for transformers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what kvzap does")
@@ -149,22 +207,22 @@ def main(argv: list[str] | None = None) -> int:
         "--model-type", choices=["mlp", "linear", "fastkvzip"], default="mlp", help="KVzap-MLP/-Linear or Fast KVzip"
     )
     demo.add_argument("--surrogate", default=None, help="surrogate dir or Hub id (default: bundled for the model)")
-    demo.add_argument("--threshold", type=float, default=-4.0)
-    demo.add_argument("--window", type=int, default=128, help="sliding window size")
-    demo.add_argument("--context-tokens", type=int, default=2000)
-    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.add_argument("--threshold", type=_threshold, default=-4.0)
+    demo.add_argument("--window", type=_non_negative_int, default=128, help="sliding window size")
+    demo.add_argument("--context-tokens", type=_positive_int, default=2000)
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=24)
     demo.set_defaults(func=_demo)
 
     cal = sub.add_parser("calibrate", help="thresholds reaching target compression ratios on sample texts")
-    cal.add_argument("--target", type=float, nargs="+", default=[0.25, 0.5, 0.75], help="compression ratios")
+    cal.add_argument("--target", type=_ratio, nargs="+", default=[0.25, 0.5, 0.75], help="compression ratios")
     cal.add_argument("--model", default=None, help="Hub id or local dir (default: the embedded SmolLM2-135M)")
     cal.add_argument(
         "--model-type", choices=["mlp", "linear", "fastkvzip"], default="mlp", help="KVzap-MLP/-Linear or Fast KVzip"
     )
     cal.add_argument("--surrogate", default=None)
-    cal.add_argument("--window", type=int, default=128, help="sliding window size")
+    cal.add_argument("--window", type=_non_negative_int, default=128, help="sliding window size")
     cal.add_argument("--texts", nargs="*", help="text files (default: Python documentation text)")
-    cal.add_argument("--max-tokens", type=int, default=2048, help="tokens per text")
+    cal.add_argument("--max-tokens", type=_positive_int, default=2048, help="tokens per text")
     cal.set_defaults(func=_calibrate)
 
     info = sub.add_parser("info", help="versions and bundled surrogates")
@@ -180,7 +238,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    return int(args.func(args) or 0)
+    try:
+        _check_local_paths(args)
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, OSError, RuntimeError) as error:
+        # kvzap's errors are sentences saying what is wrong and the fix: show them, not a traceback (-v shows it).
+        if args.verbose:
+            raise
+        print(f"kvzap {args.command}: error: {error}", file=sys.stderr)
+        return 1
 
 
 _TOOLS = {"train": "train", "evaluate": "evaluation"}
