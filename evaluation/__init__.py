@@ -6,8 +6,8 @@ files with ``--dataset-path``); ``python -m evaluation plot --results-dir output
 See ``evaluation/README.md``.
 """
 
-from evaluation.benchmarks import BENCHMARKS, DEFAULT_DATASET, Benchmark, LoadRequest
-from evaluation.metrics import (
+from .benchmarks import BENCHMARKS, DEFAULT_DATASET, Benchmark, LoadRequest
+from .metrics import (
     best_over_references,
     boxed_match,
     last_boxed,
@@ -15,9 +15,9 @@ from evaluation.metrics import (
     string_match_all,
     string_match_part,
 )
-from evaluation.presses import PRESSES, PressNotAvailableError, make_press
-from evaluation.ruler import DEFAULT_TASKS, TASKS, generate_samples, generate_task
-from evaluation.runner import EvalConfig, load_config, main, run_evaluation
+from .presses import PRESSES, PressNotAvailableError, make_press
+from .ruler import DEFAULT_TASKS, TASKS, generate_samples, generate_task
+from .runner import EvalConfig, load_config, main, run_evaluation
 
 __all__ = [
     "DEFAULT_TASKS",

@@ -2,7 +2,7 @@
 
 import sys
 
-from evaluation.runner import main
+from .runner import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,7 +19,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from evaluation.metrics import boxed_match
+from kvzap.prompts import context_ids
+
+from .metrics import boxed_match
 
 __all__ = ["HUB_ID", "TASK", "MAX_NEW_TOKENS", "SamplingSettings", "build_sample", "generate", "score"]
 
@@ -84,14 +86,12 @@ def build_sample(row: dict[str, Any], index: int) -> dict[str, Any]:
 
 def prompt_ids(tokenizer: Any, sample: dict[str, Any]):
     """Token ids ``(1, n)`` of the prompt: the chat template around the problem, then the answer prefix."""
-    text = sample["context"] + sample["question"]
-    if tokenizer.chat_template is None:
-        rendered = (tokenizer.bos_token or "") + text + "\n"
-    else:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-    return tokenizer.encode(rendered + sample["answer_prefix"], add_special_tokens=False, return_tensors="pt")
+    import torch
+
+    # The chat turn and BOS rule of the pipeline (kvzap.prompts), with the problem as the context.
+    ids, suffix = context_ids(tokenizer, sample["context"] + sample["question"])
+    ids += tokenizer.encode(suffix + sample["answer_prefix"], add_special_tokens=False)
+    return torch.tensor([ids], dtype=torch.long)
 
 
 def sample_seed(seed: int, sample_id: str) -> int:

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evaluation import aime, longbench, ruler
-from evaluation.metrics import METRICS, sample_score
+from . import aime, longbench, ruler
+from .metrics import METRICS, sample_score
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from evaluation.metrics import best_over_references
+from .metrics import best_over_references
 
 __all__ = [
     "LongBenchTask",

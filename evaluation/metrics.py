@@ -118,7 +118,7 @@ def sample_score(task: str, prediction: str, answers: Sequence[str]) -> float:
     prediction : the generated answer.
     answers : the reference strings.
     """
-    from evaluation.ruler import TASKS
+    from .ruler import TASKS
 
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")

@@ -159,11 +159,11 @@ def summarize(results_dir: str | os.PathLike, output_dir: str | os.PathLike | No
     return {"plot": plot, "table": table}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m evaluation plot") -> int:
     """``python -m evaluation plot --results-dir DIR [--output-dir OUT]``; prints the table."""
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m evaluation plot", description=summarize.__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=summarize.__doc__.split("\n")[0])
     parser.add_argument("--results-dir", required=True)
     parser.add_argument("--output-dir", default=None)
     args = parser.parse_args(argv)

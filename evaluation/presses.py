@@ -44,12 +44,16 @@ class PressFactory:
     build : ``build(value, surrogate=..., sliding_window_size=..., decoding=..., seed=...)`` -> press or None;
         None when the press is not available yet.
     description : one line for ``--help`` and the README.
+    surrogate_type : the learned weights the press reads (``"mlp"``, ``"linear"``, ``"fastkvzip"``), also the
+        sub-directory it reads from a directory holding several (the ``kvzap train fit`` output); None for
+        presses without learned weights. A run of such a press records its surrogate in its run key.
     """
 
     name: str
     knob: Knob
     build: Callable[..., BasePress | None] | None
     description: str
+    surrogate_type: str | None = None
 
     @property
     def available(self) -> bool:
@@ -92,9 +96,15 @@ PRESSES: dict[str, PressFactory] = {
     factory.name: factory
     for factory in (
         PressFactory("no_press", None, lambda value=None, **_: None, "full cache (no eviction)"),
-        PressFactory("kvzap_mlp", "threshold", _kvzap("mlp"), "KVzap-MLP surrogate, DMS threshold with sliding window"),
         PressFactory(
-            "kvzap_linear", "threshold", _kvzap("linear"), "KVzap-Linear surrogate, DMS threshold with sliding window"
+            "kvzap_mlp", "threshold", _kvzap("mlp"), "KVzap-MLP surrogate, DMS threshold with sliding window", "mlp"
+        ),
+        PressFactory(
+            "kvzap_linear",
+            "threshold",
+            _kvzap("linear"),
+            "KVzap-Linear surrogate, DMS threshold with sliding window",
+            "linear",
         ),
         PressFactory("random", "compression_ratio", _topk(lambda seed: RandomScorer(seed)), "random scores, top-k"),
         PressFactory("key_norm", "compression_ratio", _topk(lambda seed: KeyNormScorer()), "minus key norm, top-k"),
@@ -110,7 +120,13 @@ PRESSES: dict[str, PressFactory] = {
             _kvzip_plus_threshold,
             "KVzip+ oracle scores (exact, extra forward), DMS threshold with sliding window",
         ),
-        PressFactory("fastkvzip", "threshold", _fastkvzip, "Fast KVzip gates (log-gate threshold), sliding window"),
+        PressFactory(
+            "fastkvzip",
+            "threshold",
+            _fastkvzip,
+            "Fast KVzip gates (log-gate threshold), sliding window",
+            "fastkvzip",
+        ),
     )
 }
 

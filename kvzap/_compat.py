@@ -24,6 +24,7 @@ __all__ = [
     "cache_from_kwargs",
     "cache_kwarg_name",
     "crop_count",
+    "CROP_TAKES_NEGATIVE_COUNT",
     "decoder_layers",
     "attention_modules",
     "layer_index",
@@ -63,14 +64,47 @@ def cache_kwarg_name(model: PreTrainedModel) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def crop_count(layer_seq_length: int, arg: int) -> int:
-    """Number of tokens a ``crop(arg)`` call removes, under both crop conventions.
+def _crop_takes_negative_count() -> bool:
+    """True when ``DynamicLayer.crop`` takes a count of tokens to remove (newer 5.x), False for a final length (5.2)."""
+    params = list(inspect.signature(DynamicLayer.crop).parameters)
+    return len(params) > 1 and params[1] == "tokens_to_remove"
 
-    transformers 5.2 takes a final length (``crop(n)`` keeps ``n`` tokens; negative removes ``-n``), newer
-    releases only accept a negative count of tokens to remove.
+
+#: The crop convention of the installed transformers, read off ``DynamicLayer.crop``'s signature.
+CROP_TAKES_NEGATIVE_COUNT = _crop_takes_negative_count()
+
+
+def crop_count(layer_seq_length: int, arg: int, *, negative_count: bool | None = None) -> int:
+    """Number of tokens a ``crop(arg)`` call removes from a layer holding ``layer_seq_length`` tokens.
+
+    transformers 5.2 takes a final length: ``crop(n)`` keeps ``n`` tokens (``crop(0)`` keeps none) and a
+    negative ``n`` removes ``-n``. Newer releases take only a count: ``crop(-n)`` removes ``n`` tokens,
+    ``crop(0)`` (what assisted decoding calls when every draft token was accepted) removes nothing, and a
+    positive argument is an error.
+
+    Parameters
+    ----------
+    layer_seq_length : tokens the layer holds.
+    arg : the argument transformers passed to ``crop``.
+    negative_count : which convention to apply; None (default) follows the installed transformers.
+
+    Raises
+    ------
+    ValueError
+        For a positive ``arg`` under the negative-count convention (transformers raises there too).
     """
+    if negative_count is None:
+        negative_count = CROP_TAKES_NEGATIVE_COUNT
+    arg = int(arg)
     if arg < 0:
         return min(-arg, layer_seq_length)
+    if negative_count:
+        if arg > 0:
+            raise ValueError(
+                f"crop({arg}) is not supported by this transformers version: pass a negative count of tokens to "
+                f"remove (crop(-n))."
+            )
+        return 0
     return max(layer_seq_length - arg, 0)
 
 

@@ -19,7 +19,8 @@ from transformers import PreTrainedModel
 
 from kvzap import _compat
 from kvzap.cache import PrunableLayer
-from kvzap.presses.base import BasePress, Scorer
+from kvzap.presses.base import BasePress, Scorer, check_scores
+from kvzap.prompts import context_ids
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,9 @@ class _ScoreRecorder(BasePress):
     def process_layer(self, module: nn.Module, layer: PrunableLayer, hidden_states: torch.Tensor, prefill: bool):
         if not prefill:
             return False
-        scores = self.scorer.score_new_pairs(module, layer, hidden_states)  # (B, H, T)
+        scores = check_scores(
+            self.scorer.score_new_pairs(module, layer, hidden_states), self.scorer, module
+        )  # (B, H, T)
         self.scores[_compat.layer_index(module)] = scores[0].float().cpu()  # (H, T)
         return True
 
@@ -56,7 +59,8 @@ def collect_scores(
     recorder = _ScoreRecorder(scorer=scorer)
     result = []
     for text in tqdm(texts, desc="calibration texts", unit="text"):
-        ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens].to(model.device)
+        # The context as the pipeline prefills it (chat turn, BOS rule of kvzap.prompts): the scores the press sees.
+        ids = torch.tensor([context_ids(tokenizer, text)[0][:max_tokens]], device=model.device)  # (1, T)
         recorder.scores = {}
         with recorder(model):
             model(input_ids=ids, use_cache=True, logits_to_keep=1)
@@ -111,12 +115,19 @@ def calibrate(
     -------
     float: use it as ``DMSThresholdPress(scorer, threshold=..., sliding_window_size=...)``.
     """
+    if isinstance(target_compression, bool) or not isinstance(target_compression, (int, float)):
+        raise TypeError(f"target_compression must be a number in [0, 1), got {type(target_compression).__name__}.")
     if not 0 <= target_compression < 1:
         raise ValueError(f"target_compression must be in [0, 1), got {target_compression!r}.")
     if scores is None:
         scores = collect_scores(model, tokenizer, scorer, texts, max_tokens)
     # The curve is non-decreasing in the threshold: bisect between the lowest and highest score.
     values = torch.cat([s.reshape(-1) for layers in scores for s in layers])
+    if values.numel() == 0:
+        raise ValueError("scores holds no score: pass the output of collect_scores on non-empty texts.")
+    if bool(torch.isnan(values).any()):
+        # NaN would make the bisection's bounds NaN and the returned threshold NaN.
+        raise ValueError("scores holds NaN values: the scorer's weights are broken; calibrate with an intact scorer.")
     lo, hi = float(values.min()), float(values.max()) + 1e-6
     reachable = float(compression_curve(scores, [hi], sliding_window_size)[0])
     if target_compression >= reachable:

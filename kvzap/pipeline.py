@@ -16,9 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
-from kvzap import _compat
+from kvzap import _compat, prompts
 from kvzap.cache import restore_cache, snapshot_cache
-from kvzap.presses.base import BasePress
+from kvzap.presses.base import BasePress, as_bool, as_number
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ class KVPressTextGenerationPipeline(Pipeline):
     max_new_tokens : int, default 50.
     max_context_length : int, the context is truncated (with a warning) beyond this many tokens.
     enable_thinking : bool, passed to chat templates that support it (Qwen3).
-    cache : a ``transformers.DynamicCache`` to fill (one is created when None).
+    cache : an empty ``transformers.DynamicCache`` to fill (one is created when None); a cache that already holds
+        tokens is refused (ValueError), since the context starts at position 0.
     prefill_chunk_size : int, prefill the context in chunks of this many tokens, each pruned after its forward
         (keeps the cache near its pruned size during prefill); None (default) prefills densely in one forward,
         the paper's setting.
@@ -64,18 +65,28 @@ class KVPressTextGenerationPipeline(Pipeline):
             raise TypeError(f"Unknown argument(s) for {TASK_NAME}: {', '.join(sorted(kwargs))}.")
         if question is not None and questions is not None:
             raise ValueError("Pass either `question` or `questions`, not both.")
-        if questions is not None and (isinstance(questions, str) or not questions):
-            raise ValueError("`questions` must be a non-empty list of strings; use `question=` for a single one.")
+        if question is not None and not isinstance(question, str):
+            raise TypeError(f"question must be a string, got {type(question).__name__}.")
+        if questions is not None:
+            if isinstance(questions, str) or not isinstance(questions, (list, tuple)) or not questions:
+                raise ValueError("`questions` must be a non-empty list of strings; use `question=` for a single one.")
+            wrong = [type(q).__name__ for q in questions if not isinstance(q, str)]
+            if wrong:
+                raise TypeError(f"questions must hold strings only, got {', '.join(sorted(set(wrong)))}.")
+        if answer_prefix is not None and not isinstance(answer_prefix, str):
+            raise TypeError(f"answer_prefix must be a string, got {type(answer_prefix).__name__}.")
         if press is not None and not isinstance(press, BasePress):
             raise TypeError(f"press must be a kvzap press (e.g. DMSThresholdPress), got {type(press).__name__}.")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        max_new_tokens = as_number("max_new_tokens", max_new_tokens, integer=True)
+        if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
-        if max_context_length is not None and (not isinstance(max_context_length, int) or max_context_length < 1):
+        max_context_length = as_number("max_context_length", max_context_length, integer=True, allow_none=True)
+        if max_context_length is not None and max_context_length < 1:
             raise ValueError(f"max_context_length must be a positive int, got {max_context_length!r}.")
-        if prefill_chunk_size is not None and (
-            isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1
-        ):
+        prefill_chunk_size = as_number("prefill_chunk_size", prefill_chunk_size, integer=True, allow_none=True)
+        if prefill_chunk_size is not None and prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be a positive int or None, got {prefill_chunk_size!r}.")
+        enable_thinking = as_bool("enable_thinking", enable_thinking)
         if cache is not None and not isinstance(cache, DynamicCache):
             raise TypeError(f"cache must be a transformers.DynamicCache, got {type(cache).__name__}.")
         preprocess = {
@@ -97,21 +108,10 @@ class KVPressTextGenerationPipeline(Pipeline):
         if not isinstance(context, str):
             raise TypeError(f"context must be a string, got {type(context).__name__}.")
         tokenizer = self.tokenizer
-        if tokenizer.chat_template is None:
-            context = (tokenizer.bos_token or "") + context
-            suffix = "\n"
-        else:
-            # Render the chat around a unique marker: what precedes it is the context turn, what follows it
-            # (end of the user turn, start of the assistant turn) goes after each question.
-            marker = "\x00KVZAP_QUESTION\x00"
-            rendered = tokenizer.apply_chat_template(
-                [{"role": "user", "content": context + marker}],
-                add_generation_prompt=True,
-                tokenize=False,
-                enable_thinking=enable_thinking,
-            )
-            context, suffix = rendered.split(marker)
-        context_ids = tokenizer.encode(context, return_tensors="pt", add_special_tokens=False)
+        # The context turn (chat template, or bare text) opened by BOS as kvzap.prompts decides: the rule
+        # collection and calibration follow too, so surrogates see the hidden states they were trained on.
+        ids, suffix = prompts.context_ids(tokenizer, context, enable_thinking=enable_thinking)
+        context_ids = torch.tensor([ids], dtype=torch.long)  # (1, n)
         limit = max_context_length or tokenizer.model_max_length
         if limit is not None and context_ids.shape[1] > limit:
             logger.warning("Context truncated from %d to %d tokens.", context_ids.shape[1], limit)
@@ -132,6 +132,12 @@ class KVPressTextGenerationPipeline(Pipeline):
     ):
         model = self.model
         context_ids = inputs["context_ids"].to(model.device)
+        if cache is not None and any(layer.get_seq_length() > 0 for layer in cache.layers):
+            # The context would be appended after the old tokens, with positions restarting at 0: refuse it.
+            raise ValueError(
+                "cache must be empty: the pipeline prefills the context into it from position 0. Pass a fresh "
+                "`DynamicCache(config=model.config)` (or none: one is created), and read it after the call."
+            )
         cache = cache if cache is not None else _compat.new_dynamic_cache(model)
         cache_kw = _compat.cache_kwarg_name(model)
         n_context = context_ids.shape[1]

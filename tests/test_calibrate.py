@@ -5,6 +5,7 @@ import torch
 
 from kvzap import DMSThresholdPress, KVzapScorer, KVzapSurrogate
 from kvzap.calibrate import calibrate, collect_scores, compression_curve
+from kvzap.prompts import context_ids
 from tests.conftest import char_tokenizer
 
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs. " * 8]
@@ -25,7 +26,7 @@ def test_calibrated_threshold_reaches_the_target_through_the_press(llama, target
     for text in TEXTS:
         press = DMSThresholdPress(s, threshold=threshold, sliding_window_size=16)
         with press(llama):
-            llama(tokenizer(text, return_tensors="pt").input_ids)
+            llama(torch.tensor([context_ids(tokenizer, text)[0]]))  # the context as calibration reads it
         ratios.append(press.compression_ratio)
     assert sum(ratios) / len(ratios) == pytest.approx(target, abs=0.01)
     assert float(compression_curve(scores, [threshold], 16)[0]) == pytest.approx(sum(ratios) / len(ratios))

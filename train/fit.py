@@ -7,6 +7,13 @@
 The fitted layers are copied into a :class:`kvzap.surrogates.KVzapSurrogate` and written with
 ``save_pretrained`` (the published ``nvidia/KVzap-*`` format). Quality is the paper's R^2: the squared Pearson
 correlation between predicted and true log-scores, per layer and KV head, on held-out prompts.
+
+R^2 over all pairs is not what a threshold sees: at high compression only the top of the score distribution
+survives. :func:`kept_overlap` measures how much of the oracle's kept set the surrogate keeps at 50%, 67% and
+80% eviction, per head (top share of each prompt, layer and head) and DMS-like (one threshold per layer over
+all heads and prompts). Both metrics are reported per **kind** of text (see :mod:`train.corpus`) of the
+held-out prompts, and :func:`leave_kinds_out` fits without one kind at a time and tests on that kind alone.
+``MLPConfig.top_weight`` optionally weights the loss of the pairs above a per-head quantile of the targets.
 """
 
 from __future__ import annotations
@@ -28,14 +35,23 @@ logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("linear", "mlp")
 
+EVICTIONS = (0.5, 0.67, 0.8)
+
 __all__ = [
+    "EVICTIONS",
     "MLPConfig",
     "MODEL_TYPES",
+    "TopWeightedMSELoss",
+    "collection_kinds",
+    "evaluate_saved",
+    "evaluate_surrogate",
     "fit_layer_linear",
     "fit_layer_mlp",
     "fit_surrogate",
+    "kept_overlap",
+    "leave_kinds_out",
     "pearson_r2",
-    "evaluate_surrogate",
+    "plot_kinds",
     "plot_r2",
 ]
 
@@ -62,6 +78,11 @@ class MLPConfig:
         AdamW weight decay (PyTorch's default).
     seed : int
         Seed of the initialisation, the shuffling and the validation split.
+    top_weight : float
+        Extra loss weight of the pairs whose target lies at or above the head's ``top_quantile`` of the training
+        targets (weight ``1 + top_weight``; 0, the default, is the paper's plain MSE).
+    top_quantile : float
+        Where the top of each head's score distribution starts, in ``[0, 1)``.
     """
 
     hidden_dim: int | None = None
@@ -72,6 +93,33 @@ class MLPConfig:
     valid_fraction: float = 0.05
     weight_decay: float = 0.01
     seed: int = 0
+    top_weight: float = 0.0
+    top_quantile: float = 0.5
+
+
+class TopWeightedMSELoss(nn.Module):
+    """MSE in which the pairs at the top of each head's score distribution weigh ``1 + top_weight``.
+
+    Parameters
+    ----------
+    thresholds : torch.Tensor
+        ``(H,)`` per-head target value from which a pair counts as "top".
+    top_weight : float
+        Extra weight of the top pairs (non-negative).
+    """
+
+    def __init__(self, thresholds: torch.Tensor, top_weight: float):
+        super().__init__()
+        if top_weight < 0:
+            raise ValueError(f"top_weight must be non-negative, got {top_weight}.")
+        self.register_buffer("thresholds", torch.as_tensor(thresholds, dtype=torch.float32))
+        self.top_weight = float(top_weight)
+
+    def forward(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Weighted mean squared error of ``(N, H)`` predictions and targets (a scalar)."""
+        weight = 1.0 + self.top_weight * (target >= self.thresholds).to(target.dtype)  # (N, H)
+        # Normalised by the total weight, so the loss stays on the scale of the MSE whatever the weight.
+        return (weight * (prediction - target).square()).sum() / weight.sum()
 
 
 def pearson_r2(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -147,6 +195,10 @@ def fit_layer_mlp(X: np.ndarray, y: np.ndarray, config: MLPConfig | None = None)
     config = config or MLPConfig()
     if not 0 <= config.valid_fraction < 1:
         raise ValueError(f"valid_fraction must be in [0, 1), got {config.valid_fraction}.")
+    if config.top_weight < 0 or not 0 <= config.top_quantile < 1:
+        raise ValueError(
+            f"top_weight must be >= 0 and top_quantile in [0, 1), got {config.top_weight} and {config.top_quantile}."
+        )
     n, d = X.shape
     hidden = config.hidden_dim or max(1, d // 8)
     torch.manual_seed(config.seed)
@@ -156,9 +208,17 @@ def fit_layer_mlp(X: np.ndarray, y: np.ndarray, config: MLPConfig | None = None)
         module[2].bias.copy_(torch.from_numpy(y.mean(axis=0)))
     n_fit = n - math.ceil(n * config.valid_fraction) if config.valid_fraction else n
     steps = config.max_epochs * math.ceil(n_fit / config.batch_size)
+    criterion: dict = {"criterion": nn.MSELoss}
+    if config.top_weight > 0:
+        thresholds = torch.from_numpy(np.quantile(y, config.top_quantile, axis=0).astype(np.float32))  # (H,)
+        criterion = {
+            "criterion": TopWeightedMSELoss,
+            "criterion__thresholds": thresholds,
+            "criterion__top_weight": config.top_weight,
+        }
     net = NeuralNetRegressor(
         module,
-        criterion=nn.MSELoss,
+        **criterion,
         optimizer=torch.optim.AdamW,
         optimizer__weight_decay=config.weight_decay,
         lr=config.lr,
@@ -182,8 +242,12 @@ def fit_layer_mlp(X: np.ndarray, y: np.ndarray, config: MLPConfig | None = None)
     return net.module_.cpu().eval(), history
 
 
-def _layer_arrays(X: torch.Tensor, y: torch.Tensor, layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 numpy views of one layer: ``(N, D)`` and ``(N, H)``."""
+def _layer_arrays(
+    X: torch.Tensor, y: torch.Tensor, layer: int, rows: torch.Tensor | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """float32 numpy arrays of one layer, ``(N, D)`` and ``(N, H)``, of all rows or of ``rows``."""
+    if rows is not None:
+        return X[rows, layer].float().numpy(), y[rows, layer].float().numpy()
     return X[:, layer].float().numpy(), y[:, layer].float().numpy()
 
 
@@ -193,6 +257,7 @@ def fit_surrogate(
     model_type: str,
     *,
     mlp_config: MLPConfig | None = None,
+    rows: torch.Tensor | None = None,
 ):
     """Fit one surrogate module per layer.
 
@@ -206,6 +271,9 @@ def fit_surrogate(
         Surrogate family.
     mlp_config : MLPConfig, optional
         MLP hyper-parameters.
+    rows : torch.Tensor, optional
+        ``(n,)`` indices of the rows to fit on (all by default); taken one layer at a time, so a subset of a
+        large collection is never copied whole.
 
     Returns
     -------
@@ -224,12 +292,14 @@ def fit_surrogate(
         raise ValueError(f"Expected X (N, L, D) and y (N, L, H) with matching N and L, got {X.shape} and {y.shape}.")
     n, n_layers, d = X.shape
     n_heads = y.shape[2]
+    if rows is not None:
+        n = rows.numel()
     mlp_config = mlp_config or MLPConfig()
     hidden = None if model_type == "linear" else (mlp_config.hidden_dim or max(1, d // 8))
     surrogate = KVzapSurrogate(input_dim=d, output_dim=n_heads, n_modules=n_layers, hidden_dim=hidden)
     histories = []
     for layer in tqdm(range(n_layers), desc=f"fit {model_type}", unit="layer", disable=None):
-        X_l, y_l = _layer_arrays(X, y, layer)
+        X_l, y_l = _layer_arrays(X, y, layer, rows)
         start = time.perf_counter()
         if model_type == "linear":
             fitted, history = fit_layer_linear(X_l, y_l), {}
@@ -241,9 +311,109 @@ def fit_surrogate(
     return surrogate.eval(), histories
 
 
+def kept_overlap(
+    prediction: torch.Tensor,
+    target: torch.Tensor,
+    groups: torch.Tensor | None = None,
+    evictions: Sequence[float] = EVICTIONS,
+) -> dict:
+    """How much of the oracle's kept set a surrogate keeps, at several eviction rates.
+
+    Two rules are measured, each keeping the top ``1 - eviction`` share of the scores it ranks:
+
+    - ``per_head``: within each group (a prompt), layer and KV head, the top share of its positions by predicted
+      score against the top share by true score; ``|kept_pred & kept_true| / |kept_true|`` averaged over groups
+      (each prompt weighs the same) and heads.
+    - ``dms``: like one threshold per layer (the DMS rule, calibrated on these texts): the top share of all
+      ``(position, head)`` pairs of the layer, pooled over groups and heads.
+
+    A random ranking scores ``1 - eviction`` on both; the oracle itself scores 1.
+
+    Collections hold a random sample of each prompt's positions, so the ranks are those within the sample.
+
+    Parameters
+    ----------
+    prediction, target : torch.Tensor
+        ``(N, L, H)`` predicted and true log-scores.
+    groups : torch.Tensor, optional
+        ``(N,)`` integer group (prompt index) of each row; ``None`` makes one group of all rows.
+    evictions : sequence of float
+        Eviction rates in ``(0, 1)``.
+
+    Returns
+    -------
+    dict
+        ``{"per_head": {rate: {"mean", "per_layer" [L]}}, "dms": {rate: {"mean", "per_layer" [L]}}}`` with the
+        rates formatted as ``"0.5"``, ``"0.67"``, ``"0.8"``.
+    """
+    if prediction.shape != target.shape or prediction.ndim != 3:
+        raise ValueError(
+            f"prediction and target must both have shape (N, L, H), got {tuple(prediction.shape)} and "
+            f"{tuple(target.shape)}."
+        )
+    if any(not 0 < e < 1 for e in evictions):
+        raise ValueError(f"evictions must lie in (0, 1), got {list(evictions)}.")
+    n, n_layers, n_heads = target.shape
+    if groups is None:
+        groups = torch.zeros(n, dtype=torch.long)
+    if groups.shape != (n,):
+        raise ValueError(f"groups must have shape ({n},) (one group per row), got {tuple(groups.shape)}.")
+
+    def top_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+        """Boolean mask of the ``k`` largest values along dim 0 of ``scores``."""
+        indices = scores.topk(k, dim=0).indices
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(0, indices, True)
+
+    def keep(count: int, eviction: float) -> int:
+        return min(count, max(1, round((1 - eviction) * count)))
+
+    result: dict[str, dict] = {"per_head": {}, "dms": {}}
+    members = [torch.nonzero(groups == g).flatten() for g in torch.unique(groups)]
+    for eviction in evictions:
+        per_head = torch.zeros(n_layers, n_heads, dtype=torch.float64)
+        for rows in members:
+            k = keep(rows.numel(), eviction)
+            both = top_mask(prediction[rows].float(), k) & top_mask(target[rows].float(), k)  # (n_g, L, H)
+            per_head += both.sum(dim=0).double() / k
+        per_head /= len(members)
+        dms = []
+        for layer in range(n_layers):
+            k = keep(n * n_heads, eviction)
+            both = top_mask(prediction[:, layer].reshape(-1).float(), k) & top_mask(
+                target[:, layer].reshape(-1).float(), k
+            )
+            dms.append(float(both.sum()) / k)
+        key = f"{eviction:g}"
+        result["per_head"][key] = {"mean": float(per_head.mean()), "per_layer": per_head.mean(dim=1).tolist()}
+        result["dms"][key] = {"mean": float(np.mean(dms)), "per_layer": dms}
+    return result
+
+
+def _summary(prediction: torch.Tensor, target: torch.Tensor, groups: torch.Tensor | None) -> dict:
+    """R^2 per layer and head, MSE and kept-set overlaps of ``(N, L, H)`` predictions."""
+    r2 = pearson_r2(prediction, target)  # (L, H)
+    return {
+        "mean_r2": float(r2.mean()),
+        "per_layer": r2.mean(dim=1).tolist(),
+        "per_head": r2.tolist(),
+        "mse": float((prediction - target).square().mean()),
+        "n_pairs": int(target.shape[0]),
+        "n_prompts": None if groups is None else int(torch.unique(groups).numel()),
+        "overlap": kept_overlap(prediction, target, groups),
+    }
+
+
 @torch.no_grad()
-def evaluate_surrogate(surrogate, X: torch.Tensor, y: torch.Tensor, batch_size: int = 65536) -> dict:
-    """Held-out R^2 (squared Pearson) of a surrogate, per layer and KV head.
+def evaluate_surrogate(
+    surrogate,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int = 65536,
+    *,
+    prompt_index: torch.Tensor | None = None,
+    kinds: Sequence[str] | None = None,
+) -> dict:
+    """Held-out R^2 (squared Pearson) of a surrogate, per layer and KV head, kept-set overlaps, and both per kind.
 
     Parameters
     ----------
@@ -255,23 +425,71 @@ def evaluate_surrogate(surrogate, X: torch.Tensor, y: torch.Tensor, batch_size: 
         ``(N, L, H)`` held-out log-scores.
     batch_size : int
         Rows predicted at once (bounds memory).
+    prompt_index : torch.Tensor, optional
+        ``(N,)`` prompt of each row: the per-head overlaps rank positions within each prompt (without it, over
+        all rows).
+    kinds : sequence of str, optional
+        ``N`` kinds of text, one per row (see :func:`collection_kinds`): adds ``per_kind``.
 
     Returns
     -------
     dict
-        ``mean_r2`` (over all layers and heads), ``per_layer`` ``[L]`` and ``per_head`` ``[L][H]``, ``mse``.
+        ``mean_r2`` (over all layers and heads), ``per_layer`` ``[L]`` and ``per_head`` ``[L][H]``, ``mse``,
+        ``n_pairs``, ``n_prompts``, ``overlap`` (see :func:`kept_overlap`) and, with ``kinds``, ``per_kind``:
+        kind -> the same keys but ``per_head``.
     """
     predictions = torch.cat(
         [surrogate.forward_all(X[i : i + batch_size].float()) for i in range(0, X.shape[0], batch_size)]
     )  # (N, L, H)
-    r2 = pearson_r2(predictions, y.float())  # (L, H)
-    return {
-        "mean_r2": float(r2.mean()),
-        "per_layer": r2.mean(dim=1).tolist(),
-        "per_head": r2.tolist(),
-        "mse": float((predictions - y.float()).square().mean()),
-        "n_pairs": int(X.shape[0]),
-    }
+    y = y.float()
+    result = _summary(predictions, y, prompt_index)
+    if kinds is not None:
+        if len(kinds) != X.shape[0]:
+            raise ValueError(f"kinds must name the kind of each of the {X.shape[0]} rows, got {len(kinds)} names.")
+        labels = np.asarray(kinds)
+        result["per_kind"] = {}
+        for kind in sorted(set(kinds)):
+            rows = torch.from_numpy(np.flatnonzero(labels == kind))
+            groups = None if prompt_index is None else prompt_index[rows]
+            entry = _summary(predictions[rows], y[rows], groups)
+            del entry["per_head"]  # per layer is enough per kind; the JSON stays readable
+            result["per_kind"][kind] = entry
+    return result
+
+
+def collection_kinds(collection_dir: str | os.PathLike, prompt_index: torch.Tensor) -> list[str]:
+    """Kind of text of every row of a collection, from the ``prompts.jsonl`` that ``python -m train collect`` writes.
+
+    Line ``i`` of ``prompts.jsonl`` describes prompt ``i``; its ``kind`` field is used when present, else the
+    kind of its corpus ``subset`` (:func:`train.corpus.kind_of`; a Hub dataset config is its own kind).
+
+    Parameters
+    ----------
+    collection_dir : str or PathLike
+        A collection folder (one split).
+    prompt_index : torch.Tensor
+        ``(N,)`` prompt of each row (``load_collection(...)[2]["prompt_index"]``).
+
+    Returns
+    -------
+    list of str
+        ``N`` kinds.
+    """
+    from .corpus import kind_of
+
+    path = Path(collection_dir) / "prompts.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} not found: the kinds of the prompts of {collection_dir} are unknown; collect with "
+            "`python -m train collect`, which writes it."
+        )
+    prompts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kinds = [p.get("kind") or kind_of(str(p.get("subset", ""))) for p in prompts]
+    if prompt_index.numel() and int(prompt_index.max()) >= len(kinds):
+        raise ValueError(
+            f"{path} describes {len(kinds)} prompts but the collection has rows of prompt {int(prompt_index.max())}."
+        )
+    return [kinds[i] for i in prompt_index.tolist()]
 
 
 def plot_r2(results: dict[str, dict], path: str | os.PathLike, title: str = "") -> Path:
@@ -317,6 +535,240 @@ def plot_r2(results: dict[str, dict], path: str | os.PathLike, title: str = "") 
     return path
 
 
+def plot_kinds(results: dict[str, dict], path: str | os.PathLike, title: str = "") -> Path:
+    """Bar charts per kind of text: R^2, then the DMS-like and per-head kept-set overlaps at each eviction rate.
+
+    Parameters
+    ----------
+    results : dict
+        Surrogate name -> a dict with ``per_kind`` (see :func:`evaluate_surrogate`).
+    path : str or PathLike
+        PNG file to write.
+    title : str
+        Figure title.
+
+    Returns
+    -------
+    Path
+        ``path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    names = [name for name, result in results.items() if result.get("per_kind")]
+    if not names:
+        raise ValueError("results hold no `per_kind` entry to plot; evaluate with the kinds of the rows.")
+    kinds = sorted({kind for name in names for kind in results[name]["per_kind"]})
+    x = np.arange(len(kinds))
+    fig, axes = plt.subplots(3, 1, figsize=(max(8, 1.1 * len(kinds)) + 2.5, 10), sharex=True)
+    panels = [
+        ("R$^2$ (squared Pearson)", None),
+        ("kept-set overlap, DMS-like", "dms"),
+        ("overlap, per head", "per_head"),
+    ]
+    for ax, (label, rule) in zip(axes, panels, strict=True):
+        series = [(name, None) for name in names] if rule is None else [(n, e) for n in names for e in EVICTIONS]
+        width = 0.8 / len(series)
+        for i, (name, eviction) in enumerate(series):
+            values = []
+            for kind in kinds:
+                entry = results[name]["per_kind"].get(kind)
+                if entry is None:
+                    values.append(np.nan)
+                elif rule is None:
+                    values.append(entry["mean_r2"])
+                else:
+                    values.append(entry["overlap"][rule][f"{eviction:g}"]["mean"])
+            legend = name if eviction is None else f"{name}, {eviction:.0%} evicted"
+            ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=legend)
+        ax.set_ylabel(label)
+        ax.set_ylim(0, 1)
+        ax.grid(axis="y", alpha=0.3)
+        if rule is not None:  # a random ranking keeps 1 - eviction of the oracle's set
+            for eviction in EVICTIONS:
+                ax.axhline(1 - eviction, color="grey", lw=0.6, ls=":")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    axes[-1].set_xticks(x, kinds, rotation=30, ha="right")
+    if title:
+        axes[0].set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _load_with_kinds(
+    dirs: Sequence[str | os.PathLike],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], dict]:
+    """Concatenate collections with the kind of every row and prompt numbers that stay distinct across them.
+
+    Returns ``X (N, L, D)``, ``y (N, L, H)``, ``groups (N,)``, ``kinds`` (N names) and the first manifest.
+    """
+    from .collect import load_collection
+
+    if not dirs:
+        raise ValueError("Name at least one collection folder.")
+    Xs, ys, groups, kinds, manifests, offset = [], [], [], [], [], 0
+    for directory in dirs:
+        X, y, manifest = load_collection(directory)
+        prompt_index = manifest["prompt_index"]
+        kinds += collection_kinds(directory, prompt_index)
+        Xs.append(X)
+        ys.append(y)
+        groups.append(prompt_index + offset)  # prompt 0 of the second collection is another prompt
+        offset += int(manifest["n_prompts"])
+        manifests.append(manifest)
+    if len({(m["model"], m["n_layers"], m["hidden_size"], m["kv_heads"]) for m in manifests}) > 1:
+        raise ValueError(f"The collections {[str(d) for d in dirs]} come from different models.")
+    return torch.cat(Xs), torch.cat(ys), torch.cat(groups), kinds, manifests[0]
+
+
+def evaluate_saved(
+    surrogates: dict[str, str | os.PathLike],
+    collection_dirs: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+) -> dict:
+    """Evaluate saved surrogates (e.g. the bundled ones) on collections: R^2 and kept-set overlaps per kind.
+
+    Writes ``out_dir/eval.json`` and ``out_dir/kinds.png``.
+
+    Parameters
+    ----------
+    surrogates : dict
+        Name -> folder written by ``KVzapSurrogate.save_pretrained``.
+    collection_dirs : sequence of str or PathLike
+        Collections (with their ``prompts.jsonl``), concatenated.
+    out_dir : str or PathLike
+        Output folder.
+
+    Returns
+    -------
+    dict
+        The report written to ``eval.json``.
+    """
+    from kvzap.surrogates import KVzapSurrogate
+
+    X, y, groups, kinds, manifest = _load_with_kinds(collection_dirs)
+    report = {
+        "model": manifest.get("model"),
+        "collections": [str(d) for d in collection_dirs],
+        "n_pairs": int(X.shape[0]),
+        "n_prompts": int(torch.unique(groups).numel()),
+        "surrogates": {},
+    }
+    for name, directory in surrogates.items():
+        surrogate = KVzapSurrogate.from_pretrained(directory).eval()
+        entry = {"path": str(directory), **evaluate_surrogate(surrogate, X, y, prompt_index=groups, kinds=kinds)}
+        report["surrogates"][name] = entry
+        logger.info("%s: R^2 %.3f on %d pairs", name, entry["mean_r2"], entry["n_pairs"])
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "eval.json").write_text(json.dumps(report, indent=2))
+    plot_kinds(report["surrogates"], out_dir / "kinds.png", title=f"Surrogates of {Path(str(report['model'])).name}")
+    return report
+
+
+def leave_kinds_out(
+    train_dirs: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    *,
+    test_dirs: Sequence[str | os.PathLike] = (),
+    kinds: Sequence[str] | None = None,
+    model_types: tuple[str, ...] = MODEL_TYPES,
+    mlp_config: MLPConfig | None = None,
+) -> dict:
+    """Fit without one kind of text at a time and test on that kind alone.
+
+    For each held-out kind ``K``: fit on the rows of ``train_dirs`` of every other kind, then evaluate on every
+    row of kind ``K`` in ``train_dirs`` and ``test_dirs`` (none of them was seen, so both splits count).
+    Writes ``out_dir/leave_kinds_out.json`` and ``out_dir/leave_kinds_out.png``; no surrogate is saved.
+
+    Parameters
+    ----------
+    train_dirs : sequence of str or PathLike
+        Training collections (with their ``prompts.jsonl``).
+    out_dir : str or PathLike
+        Output folder.
+    test_dirs : sequence of str or PathLike
+        Held-out collections whose rows of kind ``K`` join the test of ``K``.
+    kinds : sequence of str, optional
+        Kinds to hold out; all kinds of the training rows by default.
+    model_types : tuple of str
+        Surrogates to fit.
+    mlp_config : MLPConfig, optional
+        MLP hyper-parameters.
+
+    Returns
+    -------
+    dict
+        The report: per held-out kind, pair and prompt counts and, per surrogate type, R^2 and overlaps.
+    """
+    for model_type in model_types:
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model_types must be drawn from {MODEL_TYPES}, got {model_type!r}.")
+    mlp_config = mlp_config or MLPConfig()
+    # Training and test rows stay in two tensors: a collection of 300 prompts holds several GB of hidden states.
+    X, y, groups, row_kinds, manifest = _load_with_kinds(list(train_dirs))
+    labels = np.asarray(row_kinds)
+    if test_dirs:
+        X_t, y_t, groups_t, kinds_t, _ = _load_with_kinds(list(test_dirs))
+        if X_t.shape[1:] != X.shape[1:] or y_t.shape[1:] != y.shape[1:]:
+            raise ValueError("The test collections come from another model than the training collections.")
+        groups_t = groups_t + int(groups.max()) + 1  # prompts of the test collections are other prompts
+    else:
+        X_t, y_t, groups_t, kinds_t = X[:0], y[:0], groups[:0], []
+    labels_t = np.asarray(kinds_t) if kinds_t else np.asarray([], dtype=object)
+    kinds = sorted(set(row_kinds)) if kinds is None else list(kinds)
+    missing = sorted(set(kinds) - set(row_kinds) - set(kinds_t))
+    if missing:
+        raise ValueError(
+            f"No rows of the kinds {missing} to test on; the collections hold {sorted(set(row_kinds) | set(kinds_t))}."
+        )
+    report = {
+        "model": manifest.get("model"),
+        "train_dirs": [str(d) for d in train_dirs],
+        "test_dirs": [str(d) for d in test_dirs],
+        "mlp_config": asdict(mlp_config),
+        "kinds": {},
+    }
+    for kind in kinds:
+        fit_rows = torch.from_numpy(np.flatnonzero(labels != kind))
+        rows, rows_t = (
+            torch.from_numpy(np.flatnonzero(labels == kind)),
+            torch.from_numpy(np.flatnonzero(labels_t == kind)),
+        )
+        X_k, y_k = torch.cat([X[rows], X_t[rows_t]]), torch.cat([y[rows], y_t[rows_t]])  # (n_k, L, D), (n_k, L, H)
+        groups_k = torch.cat([groups[rows], groups_t[rows_t]])
+        if fit_rows.numel() == 0:
+            raise ValueError(
+                f"Holding out {kind!r} leaves no training rows: the training collections hold no other kind."
+            )
+        entry = {
+            "n_train_pairs": int(fit_rows.numel()),
+            "n_test_pairs": int(groups_k.numel()),
+            "n_test_prompts": int(torch.unique(groups_k).numel()),
+            "surrogates": {},
+        }
+        for model_type in model_types:
+            start = time.perf_counter()
+            surrogate, _ = fit_surrogate(X, y, model_type, mlp_config=mlp_config, rows=fit_rows)
+            result = evaluate_surrogate(surrogate, X_k, y_k, prompt_index=groups_k)
+            result["fit_seconds"] = round(time.perf_counter() - start, 1)
+            entry["surrogates"][model_type] = result
+            logger.info("held out %s: %s R^2 %.3f", kind, model_type, result["mean_r2"])
+        report["kinds"][kind] = entry
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "leave_kinds_out.json").write_text(json.dumps(report, indent=2))
+    by_type = {t: {"per_kind": {k: e["surrogates"][t] for k, e in report["kinds"].items()}} for t in model_types}
+    plot_kinds(by_type, out_dir / "leave_kinds_out.png", title="Each kind held out of the fit, then tested alone")
+    return report
+
+
 def fit_and_save(
     train_dir: str | os.PathLike | Sequence[str | os.PathLike],
     out_dir: str | os.PathLike,
@@ -328,7 +780,8 @@ def fit_and_save(
     """Fit surrogates on a collection, save them, and evaluate them on a held-out collection.
 
     Writes ``out_dir/<model_type>/`` (``KVzapSurrogate.save_pretrained``), ``out_dir/r2.json`` and
-    ``out_dir/r2.png`` (the latter two only with ``test_dir``).
+    ``out_dir/r2.png`` (the latter two only with ``test_dir``). When ``test_dir`` holds ``prompts.jsonl``, the
+    report also has R^2 and kept-set overlaps per kind of text, plotted in ``out_dir/kinds.png``.
 
     Parameters
     ----------
@@ -349,7 +802,7 @@ def fit_and_save(
     dict
         The report written to ``r2.json`` (settings, sizes, R^2 per surrogate).
     """
-    from train.collect import load_collection
+    from .collect import load_collection
 
     for model_type in model_types:
         if model_type not in MODEL_TYPES:
@@ -367,6 +820,9 @@ def fit_and_save(
     manifest = {**parts[0][2], "n_prompts": sum(p[2]["n_prompts"] for p in parts)}
     logger.info("Training pairs: X %s, y %s from %s", tuple(X.shape), tuple(y.shape), ", ".join(map(str, train_dirs)))
     test = load_collection(test_dir) if test_dir is not None else None
+    test_kinds = None
+    if test is not None and (Path(test_dir) / "prompts.jsonl").exists():
+        test_kinds = collection_kinds(test_dir, test[2]["prompt_index"])
     report = {
         "model": manifest.get("model"),
         "train_dirs": [str(d) for d in train_dirs],
@@ -387,16 +843,19 @@ def fit_and_save(
             entry["final_train_loss"] = [h["train_loss"][-1] for h in history]
             entry["final_valid_loss"] = [h["valid_loss"][-1] if h["valid_loss"] else None for h in history]
         if test is not None:
-            entry.update(evaluate_surrogate(surrogate, test[0], test[1]))
+            entry.update(
+                evaluate_surrogate(surrogate, test[0], test[1], prompt_index=test[2]["prompt_index"], kinds=test_kinds)
+            )
             entry["train_r2"] = evaluate_surrogate(surrogate, X, y)["mean_r2"]
             logger.info("%s: held-out mean R^2 %.3f (train %.3f)", model_type, entry["mean_r2"], entry["train_r2"])
         report["surrogates"][model_type] = entry
     out_dir.mkdir(parents=True, exist_ok=True)
     if test is not None:
         (out_dir / "r2.json").write_text(json.dumps(report, indent=2))
-        plot_r2(
-            report["surrogates"], out_dir / "r2.png", title=f"KVzap surrogates of {Path(str(report['model'])).name}"
-        )
+        title = f"KVzap surrogates of {Path(str(report['model'])).name}"
+        plot_r2(report["surrogates"], out_dir / "r2.png", title=title)
+        if test_kinds is not None:
+            plot_kinds(report["surrogates"], out_dir / "kinds.png", title=title)
     else:
         (out_dir / "fit.json").write_text(json.dumps(report, indent=2))
     return report

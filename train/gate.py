@@ -20,7 +20,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from kvzap.surrogates.fastkvzip import FastKVzipGates
-from train.fit import pearson_r2
+
+from .fit import pearson_r2
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def fit_gates_and_save(
     config: GateConfig | None = None,
 ) -> dict:
     """Fit gates on collections made with ``with_kvzip=True``; write ``out_dir`` and ``out_dir/report.json``."""
-    from train.collect import load_collection
+    from .collect import load_collection
 
     config = config or GateConfig()
     parts = [load_collection(d, target="y_kvzip") for d in train_dirs]

@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -29,7 +31,7 @@ from kvzap.compact import compact_layer_like
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Scorer", "BasePress", "STORAGES"]
+__all__ = ["Scorer", "BasePress", "STORAGES", "as_bool", "as_number", "check_scores"]
 
 #: How evicted pairs are stored: "compact" frees them (per-head buffers, sliding-window layers stay masked);
 #: "masked" keeps the dense cache and hides them (the reference for tests and benchmarks).
@@ -109,6 +111,49 @@ class Scorer(ABC):
         return self.score(module, hidden_states, layer.last_keys, layer.last_values, positions)
 
 
+def as_number(name: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> Any:
+    """``value`` as a Python int/float (numpy scalars included), or a TypeError naming ``name``.
+
+    bool is refused (``True`` as a threshold or a window size is always a bug); ranges are checked by the caller.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got a bool ({value!r}).")
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if not integer and isinstance(value, (float, np.floating)):
+        return float(value)
+    raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {type(value).__name__} ({value!r}).")
+
+
+def as_bool(name: str, value: Any) -> bool:
+    """``value`` as a Python bool (numpy bools included), or a TypeError naming ``name``."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {type(value).__name__} ({value!r}).")
+
+
+def check_scores(scores: torch.Tensor, scorer: Scorer, module: nn.Module) -> torch.Tensor:
+    """Refuse NaN scores: ``score < threshold`` is False for NaN, so they would silently evict nothing.
+
+    One device sync per scorer call; presses call it where they already score a batch (a prefill, or up to 16
+    decoded tokens), not on every decoding step.
+
+    Raises
+    ------
+    ValueError
+        Naming the scorer and the layer.
+    """
+    if bool(torch.isnan(scores).any()):
+        raise ValueError(
+            f"{type(scorer).__name__} returned NaN scores for layer {_compat.layer_index(module)}: NaN cannot be "
+            "compared with a threshold. Check the scorer's weights (a surrogate trained to NaN, or loaded in a dtype "
+            "that overflows) and the model's hidden states."
+        )
+    return scores
+
+
 @dataclass
 class BasePress(ABC):
     """Applies a pruning policy to a model through ``with press(model):``.
@@ -122,11 +167,52 @@ class BasePress(ABC):
 
     storage: str = field(default="compact", kw_only=True)
 
-    _stats: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict, init=False, repr=False, compare=False)
-    _calls: dict[nn.Module, tuple[PrunableLayer, bool]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    _prefilling: bool = field(default=False, init=False, repr=False, compare=False)
+    # Per-call state lives in thread-local storage (see ``_ThreadState``): one press may serve several models
+    # from several threads at once, each thread seeing only its own forwards. Shared between threads: the map of
+    # attention modules to the thread currently running their forward (a model runs one forward at a time).
+    _local: threading.local = field(default_factory=lambda: _ThreadState(), init=False, repr=False, compare=False)
+    _running: dict[nn.Module, tuple[int, int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _lock: Any = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    # Locks and thread-local objects cannot be copied or pickled: a copy of a press starts with fresh ones.
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("_local", "_running", "_lock"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.update(_local=_ThreadState(), _running={}, _lock=threading.Lock())
+
+    @property
+    def _calls(self) -> dict[nn.Module, tuple[PrunableLayer, bool]]:
+        """Attention modules whose forward the calling thread is running -> (their cache layer, prefill?)."""
+        return self._local.calls
+
+    @property
+    def _stats(self) -> dict[int, tuple[torch.Tensor, int]]:
+        """Statistics of the last forward the calling thread ran under this press, per layer."""
+        return self._local.stats
+
+    @property
+    def _forward_drafts(self) -> int | None:
+        """Trailing tokens of the calling thread's current forward that may be cropped after it (the drafts of
+        speculative decoding), or None when unknown.
+
+        ``generate`` asks the model for the logits of the drafts plus one (``logits_to_keep = drafts + 1``) in
+        assisted and prompt-lookup decoding, and for one logit otherwise; a forward with all its logits (a hand
+        written loop) says nothing.
+        """
+        return self._local.drafts
+
+    @property
+    def _prefilling(self) -> bool:
+        return self._local.prefilling
+
+    @_prefilling.setter
+    def _prefilling(self, value: bool) -> None:
+        self._local.prefilling = value
 
     # --- what a press states about itself ------------------------------------------------------------------
     @property
@@ -145,7 +231,7 @@ class BasePress(ABC):
 
         Subclasses extend it and call ``super().validate()``.
         """
-        if self.storage not in STORAGES:
+        if not isinstance(self.storage, str) or self.storage not in STORAGES:
             raise ValueError(f"storage must be one of {', '.join(map(repr, STORAGES))}, got {self.storage!r}.")
 
     def setup(self, model: PreTrainedModel) -> None:
@@ -190,7 +276,9 @@ class BasePress(ABC):
     def _require_stats(self) -> list[tuple[torch.Tensor, int]]:
         if not self._stats:
             raise RuntimeError(
-                "No compression statistics yet: run a forward pass (or the pipeline) under `with press(model):` first."
+                "No compression statistics yet in this thread: run a forward pass (or the pipeline) under "
+                "`with press(model):` first. Statistics are kept per thread: read them in the thread that ran "
+                "the forward."
             )
         return [self._stats[i] for i in sorted(self._stats)]
 
@@ -211,10 +299,21 @@ class BasePress(ABC):
 
     @property
     def compression_ratio(self) -> float:
-        """Share of KV pairs evicted in the last sequence, averaged over layers (read-only)."""
+        """Share of KV pairs evicted in the last sequence, averaged over layers (read-only).
+
+        "The last sequence" is the one of the last forward pass the calling thread ran under this press (on any
+        model): a press shared by several threads reports, in each thread, that thread's own sequence.
+        """
         return float(self.layer_compression_ratios.mean())
 
     # --- applying the press ------------------------------------------------------------------------------------
+    def before_layer(self, module: nn.Module, layer: PrunableLayer, prefill: bool) -> None:
+        """Called before an attention layer's forward, once its cache layer is known. Default: nothing.
+
+        The cache may have been cropped since the last forward (speculative decoding rejects draft tokens
+        between forwards): a press that deferred decisions takes them here, once no crop can undo them.
+        """
+
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         cache = _compat.cache_from_kwargs(kwargs)
         if cache is None:  # use_cache=False: nothing to prune
@@ -223,7 +322,7 @@ class BasePress(ABC):
         idx = _compat.layer_index(module)
         layers = cache.layers
         if idx == 0:
-            _check_cache_layers(layers)
+            _check_cache(cache)
         if len(layers) <= idx:
             # Lazily built cache (DynamicCache() without a config): create this layer ourselves.
             new_layer = STORAGES[self.storage]
@@ -235,9 +334,39 @@ class BasePress(ABC):
         if new_sequence and idx == 0:
             self._stats.clear()
         prefill = new_sequence or self._prefilling
+        self.before_layer(module, layer, prefill)
         bind(module, layer)
         self._calls[module] = (layer, prefill)
         return None
+
+    def _claim(self, decoder: nn.Module) -> None:
+        """Mark the model's decoder as running a forward in this thread; refuse a second thread meanwhile.
+
+        The attention function finds its cache layer through a binding per attention module, so two concurrent
+        forwards of one model would read each other's caches. Nested forwards of one thread (an oracle's extra
+        forward) are counted.
+        """
+        me = threading.get_ident()
+        with self._lock:
+            owner, depth = self._running.get(decoder, (me, 0))
+            if owner != me:
+                raise RuntimeError(
+                    "This model is already running a forward under the press in another thread: a model under a "
+                    "kvzap press runs one forward at a time. Use one model per thread (a press may be shared), "
+                    "or a lock around the forwards."
+                )
+            self._running[decoder] = (me, depth + 1)
+
+    def _unclaim(self, decoder: nn.Module, *_: Any) -> None:
+        """End of a forward of the decoder (also when it raised)."""
+        me = threading.get_ident()
+        with self._lock:
+            owner, depth = self._running.get(decoder, (None, 0))
+            if owner == me:
+                if depth > 1:
+                    self._running[decoder] = (me, depth - 1)
+                else:
+                    del self._running[decoder]
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         call = self._calls.pop(module, None)
@@ -252,13 +381,42 @@ class BasePress(ABC):
             layer.end_forward()  # the forward's dense pairs go now, even if the press failed
         return None
 
-    @staticmethod
-    def _padding_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        if _compat.padded_rows(kwargs.get("attention_mask")):
+    def _model_start_hook(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Start of a forward of the whole model: note how many of its tokens are drafts (see _forward_drafts)."""
+        keep = kwargs.get("logits_to_keep")
+        self._local.next_drafts = (
+            keep - 1 if isinstance(keep, int) and not isinstance(keep, bool) and keep > 0 else None
+        )
+
+    def _forward_start_hook(self, modules: list[nn.Module], decoder: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Start of a forward of the decoder stack: drop what an earlier forward of this thread left behind when
+        it raised (its layers never reached their post-hook), then refuse inputs the press cannot serve."""
+        # What the model's own forward said about drafts; None when the decoder is called directly.
+        self._local.drafts, self._local.next_drafts = self._local.next_drafts, None
+        if self._running.get(decoder, (None, 0))[0] != threading.get_ident():
+            # Not nested in a forward of this thread: nothing of an earlier forward may linger.
+            for module in modules:
+                self._calls.pop(module, None)
+        cache = _compat.cache_from_kwargs(kwargs)
+        if cache is not None:  # before the mask: transformers 5.2 gives a static cache a 4-D mask
+            _check_cache(cache)
+        _check_attention_mask(kwargs.get("attention_mask"))
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 0:
             raise ValueError(
-                "kvzap presses do not support padded batches (the attention mask contains zeros): "
-                "run sequences of equal length together, or one at a time."
+                f"The input holds no token (shape {tuple(inputs.shape)}): pass at least one token per sequence."
             )
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions is None:
+            output_attentions = getattr(decoder.config, "output_attentions", False)
+        if output_attentions:
+            raise ValueError(
+                "output_attentions=True is not supported under a kvzap press: its attention function computes no "
+                "attention weights. Drop output_attentions, or run without the press (eager attention) to get them."
+            )
+        self._claim(decoder)
 
     def _prefill_inputs_hook(
         self, model: PreTrainedModel, scorers: tuple[Scorer, ...], decoder: nn.Module, args: tuple, kwargs: dict
@@ -285,39 +443,79 @@ class BasePress(ABC):
         self.validate()
         if model.config._attn_implementation == ATTENTION_NAME:
             raise RuntimeError("A kvzap press is already applied to this model; presses cannot be nested.")
-        self.setup(model)
         modules = _compat.attention_modules(model)
-        ensure_registered()
-
+        decoder = _compat.decoder_model(model)
+        self.setup(model)
         scorers = self.scorers()
-        readers = tuple(s for s in scorers if s.reads_prefill_inputs) if self.scores_needed else ()
-
-        original_attn = model.config._attn_implementation
-        handles = []
         try:
-            model.set_attn_implementation(ATTENTION_NAME)
-            decoder = _compat.decoder_model(model)
-            handles.append(decoder.register_forward_pre_hook(self._padding_hook, with_kwargs=True))
-            if readers:  # after the padding check: a padded batch is refused before any oracle forward
-                hook = functools.partial(self._prefill_inputs_hook, model, readers)
-                handles.append(decoder.register_forward_pre_hook(hook, with_kwargs=True))
-            for module in modules:
-                handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-                handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
-            yield model
+            ensure_registered()
+            readers = tuple(s for s in scorers if s.reads_prefill_inputs) if self.scores_needed else ()
+            original_attn = model.config._attn_implementation
+            handles = []
+            try:
+                model.set_attn_implementation(ATTENTION_NAME)
+                handles.append(model.register_forward_pre_hook(self._model_start_hook, with_kwargs=True))
+                start = functools.partial(self._forward_start_hook, modules)
+                handles.append(decoder.register_forward_pre_hook(start, with_kwargs=True))
+                handles.append(decoder.register_forward_hook(self._unclaim, always_call=True))
+                if readers:  # after the padding check: a padded batch is refused before any oracle forward
+                    hook = functools.partial(self._prefill_inputs_hook, model, readers)
+                    handles.append(decoder.register_forward_pre_hook(hook, with_kwargs=True))
+                for module in modules:
+                    handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+                    handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
+                yield model
+            finally:
+                for handle in handles:
+                    handle.remove()
+                unbind(modules)
+                with self._lock:
+                    self._running.pop(decoder, None)
+                for module in modules:
+                    self._calls.pop(module, None)
+                if model.config._attn_implementation != original_attn:
+                    model.set_attn_implementation(original_attn)
         finally:
-            for handle in handles:
-                handle.remove()
-            unbind(modules)
-            self._calls.clear()
-            if model.config._attn_implementation != original_attn:
-                model.set_attn_implementation(original_attn)
+            # Also when something failed after the scorers were set up: they count the models they serve.
             for scorer in scorers:
                 scorer.release()
 
 
-def _check_cache_layers(layers: list) -> None:
-    for layer in layers:
+def _check_attention_mask(attention_mask: Any) -> None:
+    """Refuse the attention masks of padded batches, whatever their shape.
+
+    A 2-D mask ``(B, n)`` marks padding with zeros. A 4-D mask ``(B, 1, q, kv)`` is a custom pattern (padding,
+    packed sequences) that eviction cannot honour, since evicted pairs are hidden by kvzap's own masks: refused
+    whatever it holds.
+    """
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(
+            f"kvzap presses take attention_mask as a tensor (batch, tokens) or None, got "
+            f"{type(attention_mask).__name__}."
+        )
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"kvzap presses take a 2-D attention_mask (batch, tokens) of ones or none at all, got a "
+            f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}: custom masks (padding, packed "
+            "sequences) cannot be combined with eviction. Drop the mask and run sequences of equal length together."
+        )
+    if _compat.padded_rows(attention_mask):
+        raise ValueError(
+            "kvzap presses do not support padded batches (the attention mask contains zeros): "
+            "run sequences of equal length together, or one at a time."
+        )
+
+
+def _check_cache(cache: Any) -> None:
+    """Refuse caches the press cannot prune (offloaded, static, quantized, or filled without the press)."""
+    if getattr(cache, "offloading", False):
+        raise TypeError(
+            "kvzap presses cannot prune an offloaded cache (layers moved between devices by the cache): "
+            "pass no cache (one is created) or a `transformers.DynamicCache` without offloading."
+        )
+    for layer in getattr(cache, "layers", ()):
         if isinstance(layer, PrunableLayer):
             continue
         prunable_layer_like(layer)  # raises TypeError for layers we cannot prune
@@ -326,3 +524,14 @@ def _check_cache_layers(layers: list) -> None:
                 "The cache already holds tokens that were processed without the press. Apply the press before "
                 "the first forward of the sequence (prefill under `with press(model):`), or pass a fresh cache."
             )
+
+
+class _ThreadState(threading.local):
+    """The per-call state of a press, one instance per thread."""
+
+    def __init__(self) -> None:
+        self.calls: dict[nn.Module, tuple[PrunableLayer, bool]] = {}
+        self.stats: dict[int, tuple[torch.Tensor, int]] = {}
+        self.prefilling = False
+        self.drafts: int | None = None
+        self.next_drafts: int | None = None

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvzap.presses.base import Scorer
+from kvzap.presses.base import Scorer, as_number
 
 __all__ = ["RandomScorer", "KeyNormScorer", "RecencyScorer", "ConstantScorer"]
 
@@ -19,6 +19,9 @@ class RandomScorer(Scorer):
     seed: int = 0
 
     def __post_init__(self) -> None:
+        self.seed = as_number("seed", self.seed, integer=True)
+        if not 0 <= self.seed < 2**63:  # what torch.Generator.manual_seed accepts without wrapping
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed}.")
         self._generator = torch.Generator().manual_seed(self.seed)
 
     def setup(self, model) -> None:
@@ -52,6 +55,9 @@ class ConstantScorer(Scorer):
     """The same score for every pair (``threshold`` semantics tests; never evicts with a lower threshold)."""
 
     value: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.value = as_number("value", self.value)
 
     def score(self, module: nn.Module, hidden_states, keys, values, positions) -> torch.Tensor:
         bsz, n_heads, q_len, _ = keys.shape

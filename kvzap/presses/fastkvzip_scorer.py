@@ -39,6 +39,16 @@ class FastKVzipScorer(SurrogateScorer):
     def _describe(self) -> str:
         return "Fast KVzip gate"
 
+    def _expected_config(self, model: PreTrainedModel) -> dict[str, int]:
+        cfg = _compat.text_config(model)
+        n_kv = _compat.num_kv_heads(model)
+        return {
+            "n_modules": cfg.num_hidden_layers,
+            "input_dim": cfg.hidden_size,
+            "n_kv_heads": n_kv,
+            "n_groups": cfg.num_attention_heads // n_kv,
+        }
+
     def _check(self, loaded: FastKVzipGates, model: PreTrainedModel, model_name: str) -> None:
         cfg = _compat.text_config(model)
         loaded.check_compatible(

@@ -58,6 +58,14 @@ class KVzapScorer(SurrogateScorer):
     def _hub_id(self, model_name: str) -> str:
         return f"nvidia/KVzap-{self.model_type}-{model_name}"
 
+    def _expected_config(self, model: PreTrainedModel) -> dict[str, int]:
+        cfg = _compat.text_config(model)
+        return {
+            "n_modules": cfg.num_hidden_layers,
+            "input_dim": cfg.hidden_size,
+            "output_dim": _compat.num_kv_heads(model),
+        }
+
     def _check(self, loaded: KVzapSurrogate, model: PreTrainedModel, model_name: str) -> None:
         if loaded.model_type != self.model_type:
             raise ValueError(

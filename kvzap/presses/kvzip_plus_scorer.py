@@ -7,6 +7,7 @@ KVzap surrogates are trained to predict these scores from the hidden states; thi
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvzap import _compat
 from kvzap.kvzip import _template_ids, build_prefill_repeat_prompt, kvzip_plus_scores
-from kvzap.presses.base import Scorer
+from kvzap.presses.base import Scorer, as_number
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ class KVzipPlusScorer(Scorer):
                 f"tokenizer must be a transformers tokenizer (AutoTokenizer.from_pretrained(...)) or None, "
                 f"got {type(tokenizer).__name__}."
             )
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        chunk_size = as_number("chunk_size", chunk_size, integer=True)
+        if chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size
@@ -76,6 +78,8 @@ class KVzipPlusScorer(Scorer):
         self._resolved_for: str | None = None
         self._scores: torch.Tensor | None = None  # (n_layers, B, H, n) log KVzip+ of the current prefill
         self._running = False
+        self._users = 0  # presses currently applied with this scorer (their `with` blocks are open)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         tokenizer = "None" if self.tokenizer is None else type(self.tokenizer).__name__
@@ -116,6 +120,15 @@ class KVzipPlusScorer(Scorer):
                     f"layer {_compat.layer_index(module)} of {type(model).__name__} has none."
                 )
         _template_ids(tokenizer)  # a chat template that cannot frame the repeat prompt fails here, not mid-forward
+        with self._lock:
+            if self._users:
+                # The scores of the current sequence live in the scorer: a second model (or thread) would replace
+                # them under the first one's feet.
+                raise RuntimeError(
+                    "This KVzipPlusScorer is already in use by an applied press: it holds the scores of one "
+                    "sequence at a time. Give each model (and thread) its own scorer and press."
+                )
+            self._users += 1
 
     def begin_prefill(
         self,
@@ -153,7 +166,10 @@ class KVzipPlusScorer(Scorer):
         self._scores = torch.stack(rows, dim=1)  # (n_layers, B, H, n)
 
     def release(self) -> None:
-        self._scores = None
+        with self._lock:
+            self._users = max(self._users - 1, 0)
+            if not self._users:
+                self._scores = None
 
     # --- scoring -------------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from transformers import PreTrainedModel
 from kvzap import _compat
 from kvzap.presses.base import Scorer
 from kvzap.surrogates import SurrogateNotFoundError, bundled_surrogate_dir
+from kvzap.surrogates.checkpoint import check_finite
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ class SurrogateScorer(Scorer):
         self._loaded = surrogate if isinstance(surrogate, self.module_class) else None
         self._loaded_for: str | None = None
         self._placement: tuple | None = None
+        self._users = 0  # presses currently applied with this scorer (their `with` blocks are open)
+        self._lock = threading.Lock()
 
     # --- for subclasses --------------------------------------------------------------------------------------
     def _hub_id(self, model_name: str) -> str | None:
@@ -53,19 +57,23 @@ class SurrogateScorer(Scorer):
     def _check(self, loaded: nn.Module, model: PreTrainedModel, model_name: str) -> None:
         raise NotImplementedError
 
+    def _expected_config(self, model: PreTrainedModel) -> dict[str, int]:
+        """Config values a checkpoint must have to fit ``model``, checked before its weights are read."""
+        return {}
+
     def _describe(self) -> str:
         return self.module_class.__name__
 
     # --- weights ---------------------------------------------------------------------------------------------
-    def _resolve(self, name: str) -> nn.Module:
+    def _resolve(self, name: str, expect: dict[str, int]) -> nn.Module:
         short = Path(name).name if name else ""
         if self.surrogate is not None:
             self.source = str(self.surrogate)
-            return self.module_class.from_pretrained(self.surrogate)
+            return self.module_class.from_pretrained(self.surrogate, expect=expect)
         bundled = bundled_surrogate_dir(short, self.bundled_type) if short else None
         if bundled is not None:
             self.source = f"bundled:{bundled}"
-            return self.module_class.from_pretrained(bundled)
+            return self.module_class.from_pretrained(bundled, expect=expect)
         hub_id = self._hub_id(short) if short else None
         fix = (
             f"Train one with `python -m train` and pass {type(self).__name__}(surrogate='<output dir>'), "
@@ -74,7 +82,7 @@ class SurrogateScorer(Scorer):
         if hub_id is None:
             raise SurrogateNotFoundError(f"No {self._describe()} is bundled with kvzap for model {short!r}. {fix}")
         try:
-            loaded = self.module_class.from_pretrained(hub_id)
+            loaded = self.module_class.from_pretrained(hub_id, expect=expect)
         except SurrogateNotFoundError as error:
             raise SurrogateNotFoundError(
                 f"No {self._describe()} for model {short!r}: none is bundled with kvzap and {hub_id!r} could not "
@@ -85,22 +93,42 @@ class SurrogateScorer(Scorer):
 
     def setup(self, model: PreTrainedModel) -> None:
         name = str(getattr(model.config, "_name_or_path", "") or "")
+        modules = _compat.attention_modules(model)
+        placement = tuple((p.device, p.dtype) for p in (next(m.parameters()) for m in modules))
+        with self._lock:
+            swaps_weights = not isinstance(self.surrogate, self.module_class) and name != self._loaded_for
+            if self._users and (swaps_weights or placement != self._placement):
+                # One scorer holds one set of weights, placed for one model: a second model at the same time
+                # would swap them under the first one's feet.
+                raise RuntimeError(
+                    f"This {type(self).__name__} is in use by a press applied to another model ({self._loaded_for!r}"
+                    f" with other weights or placement): give each model its own scorer and press."
+                )
+            self._setup(model, name, placement)
+            self._users += 1
+
+    def _setup(self, model: PreTrainedModel, name: str, placement: tuple) -> None:
         if self._loaded is None or (not isinstance(self.surrogate, self.module_class) and self._loaded_for != name):
-            self._loaded = self._resolve(name)
+            self._loaded = self._resolve(name, self._expected_config(model))
             self._loaded_for = name
             self._placement = None
             logger.info("%s loaded from %s", self._describe(), self.source)
         elif isinstance(self.surrogate, self.module_class):
             self.source = "module"
         self._check(self._loaded, model, name or type(model).__name__)
+        if self._placement is None:
+            # Weights passed as a module are checked here (files are checked when they are read).
+            check_finite(self._loaded, self.source or "the module passed")
         # Place each layer's module next to its attention layer, once (not on every call).
-        modules = _compat.attention_modules(model)
-        placement = tuple((p.device, p.dtype) for p in (next(m.parameters()) for m in modules))
         if placement != self._placement:
             self._loaded.eval().requires_grad_(False)
             for layer_module, (device, dtype) in zip(self._loaded.layers, placement, strict=True):
                 layer_module.to(device=device, dtype=dtype)
             self._placement = placement
+
+    def release(self) -> None:
+        with self._lock:
+            self._users = max(self._users - 1, 0)
 
     # --- scoring ---------------------------------------------------------------------------------------------
     @torch.no_grad()

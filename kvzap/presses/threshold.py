@@ -7,6 +7,13 @@ revisited. In prefill the whole prompt is scored at once and evicted after that 
 prefill); with ``decoding=True`` the scores of generated (and question) tokens wait in a buffer until they
 leave the window. Generated tokens are scored in batches of up to 16 (the scorer is a per-pair function, so this
 changes no score, only the number of calls): a batch is always scored before its first token leaves the window.
+
+Speculative decoding (``assistant_model=``, ``prompt_lookup_num_tokens=``) runs draft tokens and then crops the
+rejected ones. A decision is only taken for tokens that no crop can remove: the tokens before a forward's drafts
+(``generate`` says how many through ``logits_to_keep``; a decoding step of several tokens is otherwise taken to be
+one token plus drafts). The decisions a forward deferred are taken before the next forward's attention, once the
+crop is done, and a crop trims the buffered scores instead of discarding them. The window is thus never evicted.
+NaN scores raise a ValueError where a batch is scored (no device sync per decoding step).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import torch
 from torch import nn
 
 from kvzap.cache import PrunableLayer
-from kvzap.presses.base import BasePress, Scorer
+from kvzap.presses.base import BasePress, Scorer, as_bool, as_number, check_scores
 
 __all__ = ["DMSThresholdPress"]
 
@@ -55,9 +62,16 @@ class DMSThresholdPress(BasePress):
         self.validate()
 
     def __setattr__(self, name, value) -> None:
-        # `press.decoding = True` after construction must be checked as strictly as the constructor.
-        if name == "decoding" and value and "scorer" in self.__dict__:
-            self._check_decoding(self.scorer)
+        # Setting a parameter after construction is checked as strictly as the constructor; numpy scalars become
+        # Python numbers (so that the repr identifies a run).
+        if name == "threshold":
+            value = as_number("threshold", value, allow_none=True)
+        elif name == "sliding_window_size":
+            value = as_number("sliding_window_size", value, integer=True)
+        elif name == "decoding":
+            value = as_bool("decoding", value)
+            if value and "scorer" in self.__dict__:
+                self._check_decoding(self.scorer)
         super().__setattr__(name, value)
 
     @staticmethod
@@ -76,15 +90,12 @@ class DMSThresholdPress(BasePress):
             )
         if self.threshold is None:
             raise ValueError("threshold is required, e.g. DMSThresholdPress(KVzapScorer(), threshold=-4).")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
-            raise TypeError(f"threshold must be a number, got {type(self.threshold).__name__}.")
+        self.threshold = as_number("threshold", self.threshold)
         if math.isnan(self.threshold):
             raise ValueError("threshold is NaN; use a finite number, or -inf to evict nothing.")
-        if isinstance(self.sliding_window_size, bool) or not isinstance(self.sliding_window_size, int):
-            raise TypeError(f"sliding_window_size must be an int, got {type(self.sliding_window_size).__name__}.")
         if self.sliding_window_size < 0:
             raise ValueError(f"sliding_window_size must be >= 0, got {self.sliding_window_size}.")
-        if self.decoding:
+        if as_bool("decoding", self.decoding):
             self._check_decoding(self.scorer)
 
     @property
@@ -98,28 +109,98 @@ class DMSThresholdPress(BasePress):
     def setup(self, model) -> None:
         self.scorer.setup(model)
 
+    def _buffer(self, layer: PrunableLayer, end: int) -> tuple[torch.Tensor | None, int, tuple, int, int] | None:
+        """The layer's buffered state, trimmed to the tokens before ``end``; None when it does not reach ``end``.
+
+        Returns ``(pending, start, unscored, n_pending, n_unscored)``: ``pending`` are the scores ``(B, H, p)`` of
+        the tokens from ``start`` on, still inside the window; ``unscored`` the (hidden states, keys, values) of the
+        tokens after them, not scored yet (a tuple: snapshots share it). A crop (draft tokens rejected) leaves the
+        buffer past ``end``: the rejected tokens are cut off it, the others keep their scores.
+        """
+        state = layer.press_state
+        pending, start = state.get("pending"), state.get("pending_start")
+        if start is None:
+            return None  # a new sequence (its layer state is empty)
+        unscored = state.get("unscored", ())
+        n_pending = 0 if pending is None else pending.shape[-1]
+        n_unscored = sum(h.shape[1] for h, _, _ in unscored)
+        if start + n_pending + n_unscored < end:
+            return None  # tokens went by unscored (decoding was off): they stay kept
+        if min(start, end) > max(end - self.sliding_window_size, 0):
+            raise RuntimeError(
+                f"The cache was cropped back to {end} tokens, but the press had already decided the fate of the "
+                f"tokens up to position {start - 1}, some of which are now inside the sliding window "
+                f"({self.sliding_window_size} tokens). With decoding=True only the draft tokens of the last forward "
+                "(all its tokens but the first, as speculative decoding does) may be cropped; apply a press with "
+                "decoding=False to an assistant model, or crop only draft tokens."
+            )
+        if start > end:
+            return None  # a crop removed tokens already decided: everything before ``end`` is decided
+        keep = end - start
+        if keep < n_pending:
+            pending, unscored = pending[..., :keep], ()
+        else:
+            kept, left = [], keep - n_pending
+            for h, k, v in unscored:
+                if left <= 0:
+                    break
+                n = min(left, h.shape[1])
+                kept.append((h[:, :n], k[:, :, :n], v[:, :, :n]) if n < h.shape[1] else (h, k, v))
+                left -= n
+            unscored = tuple(kept)
+        n_pending = 0 if pending is None else pending.shape[-1]
+        return pending, start, unscored, n_pending, keep - n_pending
+
+    def before_layer(self, module: nn.Module, layer: PrunableLayer, prefill: bool) -> None:
+        # Take the decisions the last forward deferred (its draft tokens could still be rejected then).
+        if not self.decoding or prefill or not self.scores_needed or layer.seen == 0:
+            return
+        self._decide(module, layer, None, layer.seen, score_all=False)
+
     def process_layer(self, module: nn.Module, layer: PrunableLayer, hidden_states: torch.Tensor, prefill: bool):
         if not (prefill or self.decoding):
             return False  # decoding-time pruning is off: the window tokens of the prefill stay kept
         if not self.scores_needed:
             return True  # nothing to score, nothing evicted (the statistics are still recorded)
         q_len = hidden_states.shape[1]
-        state = layer.press_state
-        # pending: scores (B, H, p) of the tokens from pending_start on, still inside the window; unscored: the
-        # (hidden states, keys, values) of the tokens after them, not scored yet (a tuple: snapshots share it).
-        pending, start = state.get("pending"), state.get("pending_start")
-        unscored = state.get("unscored", ())
-        n_pending = 0 if pending is None else pending.shape[-1]
-        n_unscored = sum(h.shape[1] for h, _, _ in unscored)
-        if pending is None or start + n_pending + n_unscored != layer.seen - q_len:
-            # A new sequence (its layer state is empty), or tokens went by unscored (decoding was off): those
-            # stay kept, and the buffer restarts with this forward's tokens.
-            pending, start, unscored, n_pending, n_unscored = None, layer.seen - q_len, (), 0, 0
-        unscored += ((hidden_states, layer.last_keys, layer.last_values),)
-        n_unscored += q_len
+        # Speculative decoding runs the last token plus draft tokens, then crops the rejected drafts: decide only
+        # for the tokens before the drafts; the next forward's pre-hook catches up once the crop is done. How
+        # many drafts a forward holds is known when `generate` runs it (also in its first forward, which holds
+        # the prompt and the first drafts); otherwise a decoding step of several tokens is taken to be the last
+        # token plus drafts, and a prefill to hold none.
+        drafts = self._forward_drafts
+        if drafts is None:
+            drafts = 0 if prefill else q_len - 1
+        committed = layer.seen - min(drafts, q_len - 1)
+        self._decide(module, layer, (hidden_states, layer.last_keys, layer.last_values), committed, score_all=prefill)
+        return True
 
-        n_leaving = n_pending + n_unscored - self.sliding_window_size
-        if prefill or n_unscored >= _DECODE_SCORE_BATCH or n_leaving > n_pending:
+    def _decide(
+        self, module: nn.Module, layer: PrunableLayer, new: tuple | None, committed: int, score_all: bool
+    ) -> None:
+        """Buffer the new tokens, score what must be, and evict the tokens that left the window.
+
+        Parameters
+        ----------
+        new : ``(hidden (B, q, D), keys (B, H, q, d), values)`` of the tokens the layer's last update appended, or
+            None (catching up before a forward: nothing new).
+        committed : tokens ``0 .. committed - 1`` can no longer be cropped; the window is counted back from there.
+        score_all : score every buffered token now (a prefill: its tokens are scored in one call).
+        """
+        q_len = 0 if new is None else new[0].shape[1]
+        first_new = layer.seen - q_len
+        buffered = self._buffer(layer, first_new)
+        if buffered is None:
+            if new is None:
+                return
+            # A new sequence, or tokens went by unscored: the buffer restarts with this forward's tokens.
+            buffered = (None, first_new, (), 0, 0)
+        pending, start, unscored, n_pending, n_unscored = buffered
+        if new is not None:
+            unscored += (new,)
+            n_unscored += q_len
+        n_leaving = committed - self.sliding_window_size - start  # tokens between start and the window
+        if unscored and (score_all or n_unscored >= _DECODE_SCORE_BATCH or n_leaving > n_pending):
             # Decoded tokens are scored in batches (one scorer call for up to _DECODE_SCORE_BATCH of them, the
             # fixed cost of a call dominates a single token's); a token's score is needed only when it leaves the
             # window, and a batch is scored before that.
@@ -131,8 +212,8 @@ class DMSThresholdPress(BasePress):
             # These tokens leave the window now: decide their fate once and for all.
             layer.evict(start, pending[..., :n_leaving] < self.threshold)
             pending, start = pending[..., n_leaving:], start + n_leaving
+        state = layer.press_state
         state["pending"], state["pending_start"], state["unscored"] = pending, start, unscored
-        return True
 
     def _score(self, module: nn.Module, unscored: tuple, first: int) -> torch.Tensor:
         """Scores ``(B, H, q)`` of the buffered new pairs, at absolute positions ``first ..``."""
@@ -143,4 +224,4 @@ class DMSThresholdPress(BasePress):
             keys = torch.cat([k for _, k, _ in unscored], dim=2)  # (B, H, q, d)
             values = torch.cat([v for _, _, v in unscored], dim=2)
         positions = torch.arange(first, first + hidden.shape[1], device=hidden.device)
-        return self.scorer.score(module, hidden, keys, values, positions)
+        return check_scores(self.scorer.score(module, hidden, keys, values, positions), self.scorer, module)

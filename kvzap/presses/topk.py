@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kvzap.cache import PrunableLayer
-from kvzap.presses.base import BasePress, Scorer
+from kvzap.presses.base import BasePress, Scorer, as_number, check_scores
 
 __all__ = ["TopKPress"]
 
@@ -34,8 +34,8 @@ class TopKPress(BasePress):
         super().validate()
         if not isinstance(self.scorer, Scorer):
             raise TypeError(f"scorer must be a kvzap Scorer, got {type(self.scorer).__name__}.")
-        ratio = self.target_compression
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+        ratio = self.target_compression = as_number("target_compression", self.target_compression)
+        if not 0 <= ratio < 1:  # also False for NaN
             raise ValueError(f"target_compression must be a number in [0, 1), got {ratio!r}.")
 
     def setup(self, model) -> None:
@@ -48,6 +48,7 @@ class TopKPress(BasePress):
         n_evict = int(q_len * self.target_compression)
         if n_evict > 0:
             scores = self.scorer.score_new_pairs(module, layer, hidden_states)  # (B, H, q)
+            check_scores(scores, self.scorer, module)
             lowest = scores.topk(n_evict, dim=-1, largest=False).indices  # (B, H, n_evict)
             mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, lowest, True)
             layer.evict(layer.seen - q_len, mask)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -30,15 +30,21 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 __all__ = [
     "CONFIG_NAME",
+    "check_finite",
     "WEIGHTS_NAME",
     "SurrogateNotFoundError",
+    "check_config_fields",
+    "check_weights_header",
     "load_state_dict_strict",
+    "load_weights",
     "read_config",
+    "read_weights_header",
     "resolve_checkpoint_files",
     "write_checkpoint",
 ]
@@ -134,7 +140,15 @@ def resolve_checkpoint_files(
         not exist, or the repo id is invalid.
     """
     local = Path(path_or_repo_id).expanduser()
-    if local.is_dir():
+    try:
+        is_dir, exists = local.is_dir(), local.exists()
+    except (OSError, ValueError) as error:  # name too long, NUL byte, permission denied on a parent
+        shown = str(path_or_repo_id)
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        raise SurrogateNotFoundError(
+            f"The surrogate path {shown!r} cannot be used ({type(error).__name__}: {error.args[-1]}). {_HOW_TO_FIX}"
+        ) from error
+    if is_dir:
         files = (local / CONFIG_NAME, local / WEIGHTS_NAME)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -143,7 +157,7 @@ def resolve_checkpoint_files(
                 f"A surrogate checkpoint holds {CONFIG_NAME} and {WEIGHTS_NAME}. {_HOW_TO_FIX}"
             )
         return files
-    if local.exists():
+    if exists:
         raise SurrogateNotFoundError(
             f"{str(local)!r} is a file, but a surrogate checkpoint is a directory holding {CONFIG_NAME} and "
             f"{WEIGHTS_NAME}. Pass the directory instead."
@@ -202,8 +216,13 @@ def read_config(path: str | os.PathLike[str], expected_model_type: str, required
     path = Path(path)
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"The surrogate config {str(path)!r} is not valid JSON: {error}.") from error
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise ValueError(
+            f"The surrogate config {str(path)!r} is not valid JSON (or not UTF-8: {error}): write it again with "
+            "`save_pretrained`, or restore the file of the checkpoint."
+        ) from error
+    except OSError as error:
+        raise ValueError(f"The surrogate config {str(path)!r} cannot be read: {error}.") from error
     if not isinstance(config, dict):
         raise ValueError(f"The surrogate config {str(path)!r} must hold a JSON object, not {type(config).__name__}.")
     model_type = config.get("model_type")
@@ -219,6 +238,145 @@ def read_config(path: str | os.PathLike[str], expected_model_type: str, required
             f"a {expected_model_type} config needs {', '.join(required)}."
         )
     return config
+
+
+def check_config_fields(
+    config: Mapping[str, object], path: str | os.PathLike[str], expected: Mapping[str, object] | None
+) -> None:
+    """Check a config's fields against values known in advance (the model's shapes) before building anything.
+
+    Raises
+    ------
+    ValueError
+        Naming the file, each differing field with both values, and the fix.
+    """
+    if not expected:
+        return
+    differing = [
+        f"{name} is {config.get(name)!r}, the model needs {value!r}"
+        for name, value in expected.items()
+        if config.get(name) != value
+    ]
+    if differing:
+        raise ValueError(
+            f"The surrogate config {str(path)!r} does not fit the model: {'; '.join(differing)}. Pass the surrogate "
+            "trained for this model, or train one with `python -m train`."
+        )
+
+
+def read_weights_header(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Names, dtypes and shapes of the tensors of a safetensors file, read from its header only.
+
+    Nothing is allocated for the tensors themselves, so a config can be checked against the file before a
+    module is built from it.
+
+    Returns
+    -------
+    dict
+        ``name -> (dtype, shape)``, the dtype as safetensors names it (``"F32"``, ``"BF16"``, ``"I64"`` ...).
+
+    Raises
+    ------
+    ValueError
+        If the file is not a readable safetensors file (empty, truncated, corrupt), naming it.
+    """
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise ValueError(
+            f"The surrogate weights {str(path)!r} are not a readable safetensors file ({error}): the file is "
+            "empty, truncated or corrupt. Download or copy the checkpoint again, or save it with `save_pretrained`."
+        ) from error
+
+
+#: dtypes a surrogate's weights may have in a file (safetensors names).
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def check_weights_header(
+    header: Mapping[str, tuple[str, tuple[int, ...]]],
+    expected_count: int,
+    expected_shapes: Callable[[], Mapping[str, tuple[int, ...]]],
+    source: str,
+    module_name: str,
+) -> None:
+    """Check a safetensors header against the tensors a config describes, before anything is allocated.
+
+    Parameters
+    ----------
+    header : the output of :func:`read_weights_header`.
+    expected_count : number of tensors the config describes (compared first, so that a config describing
+        billions of tensors is refused without listing them).
+    expected_shapes : returns ``name -> shape`` for every tensor the config describes (called only when the
+        count is within a small factor of the file's, so the names listed stay about as many as the file holds).
+    source : the weights file, for the messages.
+    module_name : the class the config describes, for the messages.
+
+    Raises
+    ------
+    ValueError
+        For another number of tensors, missing or unexpected names, other shapes, or non-float dtypes.
+    """
+    if expected_count > 4 * len(header) + 64:
+        raise ValueError(
+            f"The weights in {source!r} hold {len(header)} tensors, but its config describes a {module_name} with "
+            f"{expected_count}. The config and the weights must come from the same checkpoint."
+        )
+    expected = expected_shapes()
+    missing = [name for name in expected if name not in header]
+    unexpected = [name for name in header if name not in expected]
+    mismatched = [
+        f"{name}: {header[name][1]} in the file, {tuple(shape)} expected"
+        for name, shape in expected.items()
+        if name in header and header[name][1] != tuple(shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_format_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_format_list(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {_format_list(mismatched)}")
+    if problems:
+        raise ValueError(
+            f"The weights in {source!r} do not match the {module_name} described by its config "
+            f"({'; '.join(problems)}). The config and the weights must come from the same checkpoint."
+        )
+    wrong = sorted({dtype for dtype, _ in header.values() if dtype not in _FLOAT_DTYPES})
+    if wrong:
+        raise ValueError(
+            f"The weights in {source!r} have the dtype(s) {', '.join(wrong)}; a {module_name} needs floating-point "
+            f"weights ({', '.join(_FLOAT_DTYPES)}). Save the checkpoint again from a float model."
+        )
+
+
+def load_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Read a safetensors file on CPU (never a pickle), wrapping its errors with the path."""
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise ValueError(
+            f"The surrogate weights {str(path)!r} cannot be read ({error}): the file is truncated or corrupt. "
+            "Download or copy the checkpoint again, or save it with `save_pretrained`."
+        ) from error
+
+
+def check_finite(module: nn.Module, source: str) -> None:
+    """Refuse weights holding NaN or infinity: their scores would silently evict nothing (or everything).
+
+    Raises
+    ------
+    ValueError
+        Naming the source and the first parameter with a non-finite value.
+    """
+    for name, tensor in module.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"The surrogate weights from {source} hold NaN or infinite values (first in {name!r}): the scores "
+                "would be meaningless. Retrain the surrogate, or load an intact checkpoint."
+            )
 
 
 def write_checkpoint(

@@ -25,10 +25,19 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from kvzap.surrogates.checkpoint import load_state_dict_strict, read_config, resolve_checkpoint_files, write_checkpoint
+from kvzap.surrogates.checkpoint import (
+    check_config_fields,
+    check_finite,
+    check_weights_header,
+    load_state_dict_strict,
+    load_weights,
+    read_config,
+    read_weights_header,
+    resolve_checkpoint_files,
+    write_checkpoint,
+)
 
 __all__ = ["FastKVzipGate", "FastKVzipGates"]
 
@@ -146,12 +155,53 @@ class FastKVzipGates(nn.Module):
     def save_pretrained(self, path: str | os.PathLike) -> Path:
         return write_checkpoint(path, {**self.config, "architectures": ["FastKVzipGates"]}, self.state_dict())
 
+    @staticmethod
+    def _tensor_shapes(input_dim, n_kv_heads, n_groups, n_modules, gate_dim, n_sinks) -> dict:
+        """``name -> shape`` of every weight, computed from the config without building anything."""
+        shapes = {}
+        for i in range(n_modules):
+            shapes.update(
+                {
+                    f"layers.{i}.q_proj.weight": (n_kv_heads * n_groups * gate_dim, input_dim),
+                    f"layers.{i}.q_proj.bias": (n_kv_heads * n_groups * gate_dim,),
+                    f"layers.{i}.k_proj.weight": (n_kv_heads * gate_dim, input_dim),
+                    f"layers.{i}.q_norm.weight": (gate_dim,),
+                    f"layers.{i}.k_norm.weight": (gate_dim,),
+                    f"layers.{i}.sinks": (n_kv_heads, n_sinks, gate_dim),
+                    f"layers.{i}.bias": (n_kv_heads, n_groups),
+                }
+            )
+        return shapes
+
     @classmethod
-    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, **hub_kwargs) -> FastKVzipGates:
-        """Load gates from a local directory or a Hub repo in the format described in the module docstring."""
+    def from_pretrained(
+        cls, path_or_repo_id: str | os.PathLike, *, expect: dict[str, int] | None = None, **hub_kwargs
+    ) -> FastKVzipGates:
+        """Load gates from a local directory or a Hub repo in the format described in the module docstring.
+
+        ``expect``: config values the gates must have (the model's shapes), checked before anything else is read.
+        The weights file's header is checked against the config before anything is allocated, and weights
+        holding NaN or infinity are refused (ValueError naming the file).
+        """
         config_path, weights_path = resolve_checkpoint_files(path_or_repo_id, **hub_kwargs)
         config = read_config(config_path, _MODEL_TYPE, required=_FIELDS)
+        fields = {name: config[name] for name in _FIELDS}
+        for name, value in fields.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"The gates config {str(config_path)!r} is invalid: {name} must be a positive integer, "
+                    f"got {value!r}."
+                )
+        check_config_fields(fields, config_path, expect)
+        check_weights_header(
+            read_weights_header(weights_path),
+            7 * fields["n_modules"],
+            lambda: cls._tensor_shapes(**fields),
+            str(weights_path),
+            cls.__name__,
+        )
         with torch.device("meta"):  # skip the random init of weights about to be replaced
-            gates = cls(**{name: config[name] for name in _FIELDS})
-        load_state_dict_strict(gates, load_file(weights_path, device="cpu"), str(weights_path), assign=True)
+            gates = cls(**fields)
+        load_state_dict_strict(gates, load_weights(weights_path), str(weights_path), assign=True)
+        check_finite(gates, repr(str(weights_path)))
         return gates.eval()

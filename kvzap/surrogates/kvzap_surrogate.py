@@ -18,13 +18,17 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
 from kvzap.surrogates.checkpoint import (
+    check_config_fields,
+    check_finite,
+    check_weights_header,
     load_state_dict_strict,
+    load_weights,
     read_config,
+    read_weights_header,
     resolve_checkpoint_files,
     write_checkpoint,
 )
@@ -69,6 +73,22 @@ class KVzapSurrogate(nn.Module):
         self.n_modules = _check_positive_int("n_modules", n_modules)
         self.hidden_dim = None if hidden_dim is None else _check_positive_int("hidden_dim", hidden_dim)
         self.layers = nn.ModuleList(self._build_module() for _ in range(self.n_modules))
+
+    @staticmethod
+    def _tensor_count(n_modules: int, hidden_dim: int | None) -> int:
+        return n_modules * (2 if hidden_dim is None else 4)
+
+    @staticmethod
+    def _tensor_shapes(input_dim: int, output_dim: int, n_modules: int, hidden_dim: int | None) -> dict:
+        """``name -> shape`` of every weight, computed from the config without building anything."""
+        shapes = {}
+        for i in range(n_modules):
+            if hidden_dim is None:
+                shapes[f"layers.{i}.weight"], shapes[f"layers.{i}.bias"] = (output_dim, input_dim), (output_dim,)
+            else:
+                shapes[f"layers.{i}.0.weight"], shapes[f"layers.{i}.0.bias"] = (hidden_dim, input_dim), (hidden_dim,)
+                shapes[f"layers.{i}.2.weight"], shapes[f"layers.{i}.2.bias"] = (output_dim, hidden_dim), (output_dim,)
+        return shapes
 
     def _build_module(self) -> nn.Module:
         if self.hidden_dim is None:
@@ -228,6 +248,7 @@ class KVzapSurrogate(nn.Module):
         local_files_only: bool | None = None,
         token: str | bool | None = None,
         dtype: torch.dtype | None = None,
+        expect: dict[str, int] | None = None,
     ) -> KVzapSurrogate:
         """Load a surrogate from a local directory or a Hugging Face Hub repo (e.g. ``nvidia/KVzap-mlp-Qwen3-8B``).
 
@@ -239,6 +260,9 @@ class KVzapSurrogate(nn.Module):
             Passed to :func:`huggingface_hub.hf_hub_download` for a Hub repo.
         dtype : torch.dtype, optional
             Cast the weights to this dtype; by default they keep the dtype stored in the file.
+        expect : dict, optional
+            Config values the surrogate must have (e.g. ``{"n_modules": 32, "input_dim": 4096, "output_dim": 8}``
+            for a known model), checked before anything is read beyond ``config.json``.
 
         Returns
         -------
@@ -250,7 +274,8 @@ class KVzapSurrogate(nn.Module):
         SurrogateNotFoundError
             If the checkpoint can be found neither locally nor on the Hub.
         ValueError
-            If ``config.json`` is not a KVzap config, or the weights do not match it.
+            If ``config.json`` is not a KVzap config (or not the ``expect``-ed one), if the weights file is
+            unreadable or does not match the config (names, shapes, float dtypes), or holds NaN/infinite values.
         """
         config_path, weights_path = resolve_checkpoint_files(
             path_or_repo_id,
@@ -260,16 +285,32 @@ class KVzapSurrogate(nn.Module):
             token=token,
         )
         config = read_config(config_path, _MODEL_TYPE, required=_FIELDS)
+        fields = {name: config[name] for name in _FIELDS}
         try:
-            # The meta device skips the random init of weights that are about to be replaced
-            # (about 200M parameters for the Qwen3-32B MLP surrogate).
-            with torch.device("meta"):
-                surrogate = cls(**{name: config[name] for name in _FIELDS})
+            for name in ("input_dim", "output_dim", "n_modules"):
+                _check_positive_int(name, fields[name])
+            if fields["hidden_dim"] is not None:
+                _check_positive_int("hidden_dim", fields["hidden_dim"])
         except ValueError as error:
             raise ValueError(f"The surrogate config {str(config_path)!r} is invalid: {error}") from error
-        state_dict = load_file(weights_path, device="cpu")
+        check_config_fields(fields, config_path, expect)
+        # The header is checked against the config before anything is allocated: a config describing huge
+        # modules is refused in microseconds, whatever its numbers.
+        check_weights_header(
+            read_weights_header(weights_path),
+            cls._tensor_count(fields["n_modules"], fields["hidden_dim"]),
+            lambda: cls._tensor_shapes(**fields),
+            str(weights_path),
+            cls.__name__,
+        )
+        # The meta device skips the random init of weights that are about to be replaced
+        # (about 200M parameters for the Qwen3-32B MLP surrogate).
+        with torch.device("meta"):
+            surrogate = cls(**fields)
+        state_dict = load_weights(weights_path)
         # assign=True keeps the tensors read from the file, hence their dtype.
         load_state_dict_strict(surrogate, state_dict, str(weights_path), assign=True)
+        check_finite(surrogate, repr(str(weights_path)))
         if dtype is not None:
             surrogate = surrogate.to(dtype)
         return surrogate.eval()

@@ -41,7 +41,8 @@ def test_prompt_is_the_chat_turn(tokenizer):
     ids = prompt_ids(tokenizer, SAMPLE)[0].tolist()
     assert tokenizer.decode(ids) == "<|user|>What is 6 times 7?<|end|><|assistant|>"
     plain = char_tokenizer(chat_template=False)
-    assert plain.decode(prompt_ids(plain, SAMPLE)[0].tolist()) == "<s>What is 6 times 7?\n"
+    # Its `tokenizer(text)` never prepends its bos_token "<s>", so neither does the prompt (kvzap.prompts).
+    assert plain.decode(prompt_ids(plain, SAMPLE)[0].tolist()) == "What is 6 times 7?\n"
 
 
 def test_sampling_settings_validation():

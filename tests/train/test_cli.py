@@ -20,6 +20,21 @@ def test_help_lists_subcommands():
         build_parser().parse_args(["collect", "--feature-dtype", "int8"])
 
 
+def test_prompt_counts_say_they_are_per_subset(capsys):
+    args = build_parser().parse_args(["collect", "--train-per-subset", "20", "--test-per-subset", "3"])
+    assert (args.train_per_subset, args.test_per_subset) == (20, 3)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["collect", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Training prompts taken from EACH subset of --data" in help_text and "--n-train" not in help_text
+    # The old names still run recorded commands (same meaning), with a warning that says what they count.
+    args = build_parser().parse_args(["collect", "--n-train", "20", "--n-test", "3"])
+    assert (args.train_per_subset, args.test_per_subset) == (20, 3)
+    err = capsys.readouterr().err
+    assert "--n-train is deprecated: it counts prompts per subset" in err and "use --train-per-subset 20" in err
+    assert "use --test-per-subset 3" in err
+
+
 def test_all_then_fit_again(tmp_path, tiny_tokenizer, capsys):
     make_tiny_llama().save_pretrained(tmp_path / "tiny")
     tiny_tokenizer.save_pretrained(tmp_path / "tiny")
@@ -28,12 +43,12 @@ def test_all_then_fit_again(tmp_path, tiny_tokenizer, capsys):
         for i in range(8):
             text = " ".join(rng.choice(["red", "green", "blue"]) for _ in range(25))
             f.write(json.dumps({"text": text, "subset": f"s{i % 2}"}) + "\n")
-    data = ["--model", str(tmp_path / "tiny"), "--data", str(tmp_path / "data.jsonl"), "--n-train", "2"]
-    data += ["--n-test", "1", "--min-tokens", "30", "--max-tokens", "60", "--n-tokens", "12"]
+    data = ["--model", str(tmp_path / "tiny"), "--data", str(tmp_path / "data.jsonl"), "--train-per-subset", "2"]
+    data += ["--test-per-subset", "1", "--min-tokens", "30", "--max-tokens", "60", "--n-tokens", "12"]
     fit = ["--epochs", "2", "--batch-size", "8", "--hidden-dim", "4"]
     assert main(["--threads", "1", "all", "--out", str(tmp_path / "run"), *data, *fit]) == 0
     out = capsys.readouterr().out
-    assert "train: 4 prompts, 48 pairs" in out and "held-out mean R^2" in out
+    assert "train: 4 prompts (up to 2 from each of 2 subsets), 48 pairs" in out and "held-out mean R^2" in out
     report = json.loads((tmp_path / "run" / "surrogates" / "r2.json").read_text())
     assert report["n_test_pairs"] == 24 and set(report["surrogates"]) == {"linear", "mlp"}
     assert KVzapSurrogate.from_pretrained(tmp_path / "run" / "surrogates" / "mlp").hidden_dim == 4

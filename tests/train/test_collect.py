@@ -166,7 +166,18 @@ def test_data_parallel_collection_matches_single_process(tmp_path, tiny_tokenize
             text = " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(30))
             f.write(json.dumps({"text": text, "subset": f"s{i % 2}"}) + "\n")
     common = ["--threads", "1", "collect", "--model", str(tmp_path / "tiny"), "--data", str(tmp_path / "data.jsonl")]
-    common += ["--n-train", "3", "--n-test", "1", "--min-tokens", "40", "--max-tokens", "80", "--n-tokens", "10"]
+    common += [
+        "--train-per-subset",
+        "3",
+        "--test-per-subset",
+        "1",
+        "--min-tokens",
+        "40",
+        "--max-tokens",
+        "80",
+        "--n-tokens",
+        "10",
+    ]
     common += ["--shard-size", "1"]
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}

@@ -1,0 +1,92 @@
+"""Which surrogate each press of a sweep reads, and the run key that records it (issues 13.6 and 14.5)."""
+
+import json
+
+import pytest
+
+from evaluation.presses import PRESSES
+from evaluation.runner import RunSpec, load_config, main, run_dir
+from kvzap.surrogates import KVzapSurrogate
+from tests.conftest import char_tokenizer, tiny_model
+
+
+def _run(press):
+    knob = PRESSES[press].knob
+    return RunSpec(press, knob, {"threshold": -4.0, "compression_ratio": 0.5, None: None}[knob], 400)
+
+
+@pytest.mark.parametrize("press", [name for name, factory in PRESSES.items() if factory.surrogate_type])
+def test_run_key_holds_the_surrogate_of_every_press_with_weights(press, tmp_path):
+    # Two runs of the same press that differ only in --surrogate must not share a directory (the second would be
+    # skipped as finished): this held for kvzap_* but not for fastkvzip.
+    first = load_config(output_dir=str(tmp_path), presses=[press], surrogate=str(tmp_path / "a"))
+    second = load_config(output_dir=str(tmp_path), presses=[press], surrogate=str(tmp_path / "b"))
+    dirs = {run_dir(c, _run(press), "tiny") for c in (first, second)}
+    assert len(dirs) == 2
+
+
+def test_run_key_of_presses_without_weights_ignores_the_surrogate(tmp_path):
+    for press in ("no_press", "random", "kvzip_plus_threshold"):
+        first = load_config(output_dir=str(tmp_path), presses=[press], surrogate=str(tmp_path / "a"))
+        second = load_config(output_dir=str(tmp_path), presses=[press])
+        assert run_dir(first, _run(press), "tiny") == run_dir(second, _run(press), "tiny")
+
+
+def test_surrogate_resolution(tmp_path):
+    fit_out = tmp_path / "surrogates"  # what `kvzap train fit` writes: one sub-directory per type
+    KVzapSurrogate(input_dim=64, output_dim=2, n_modules=2, hidden_dim=8).save_pretrained(fit_out / "mlp")
+    KVzapSurrogate(input_dim=64, output_dim=2, n_modules=2).save_pretrained(fit_out / "linear")
+    config = load_config(output_dir=str(tmp_path), surrogate=str(fit_out))
+    assert config.surrogate_for("kvzap_mlp") == str(fit_out / "mlp")
+    assert config.surrogate_for("kvzap_linear") == str(fit_out / "linear")
+    assert config.surrogate_for("fastkvzip") == str(fit_out)  # no fastkvzip/ inside: the directory itself
+    assert config.surrogate_for("no_press") is None
+    # A type's own setting wins; a plain checkpoint directory is given as is.
+    config = load_config(output_dir=str(tmp_path), surrogate=str(fit_out), surrogate_linear="other/linear")
+    assert config.surrogate_for("kvzap_linear") == "other/linear"
+    assert config.surrogate_for("kvzap_mlp") == str(fit_out / "mlp")
+    config = load_config(output_dir=str(tmp_path), surrogate=str(fit_out / "mlp"))
+    assert config.surrogate_for("kvzap_mlp") == str(fit_out / "mlp")
+    # Unset: the bundled or published default, recorded as None (as before).
+    assert load_config(output_dir=str(tmp_path)).surrogate_for("kvzap_mlp") is None
+
+
+@pytest.mark.parametrize("flags", ["one directory", "one flag per type"])
+def test_one_command_sweeps_mlp_and_linear_of_one_training_run(flags, tmp_path, monkeypatch, capsys):
+    fit_out = tmp_path / "surrogates"
+    KVzapSurrogate(input_dim=64, output_dim=2, n_modules=2, hidden_dim=8).save_pretrained(fit_out / "mlp")
+    KVzapSurrogate(input_dim=64, output_dim=2, n_modules=2).save_pretrained(fit_out / "linear")
+    monkeypatch.setattr("evaluation.runner._load_model", lambda config: (tiny_model("llama"), char_tokenizer()))
+    argv = ["--press", "kvzap_mlp", "kvzap_linear", "--threshold", "100", "--sliding-window-size", "8"]
+    argv += ["--tasks", "niah_single", "--lengths", "400", "--n-samples", "1", "--max-new-tokens", "2"]
+    if flags == "one directory":
+        argv += ["--surrogate", str(fit_out)]
+    else:
+        argv += ["--surrogate-mlp", str(fit_out / "mlp"), "--surrogate-linear", str(fit_out / "linear")]
+    # A KVzap-linear checkpoint given to kvzap_mlp (or the reverse) is refused when loaded, so both runs
+    # finishing shows each press read its own type.
+    assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 0
+    recorded = {}
+    for path in (tmp_path / "out").rglob("config.json"):
+        record = json.loads(path.read_text())
+        recorded[record["press"]] = record["surrogate"]
+    assert recorded == {"kvzap_mlp": str(fit_out / "mlp"), "kvzap_linear": str(fit_out / "linear")}
+
+
+def test_a_surrogate_of_the_wrong_type_is_refused(tmp_path, monkeypatch, capsys):
+    fit_out = tmp_path / "surrogates"
+    KVzapSurrogate(input_dim=64, output_dim=2, n_modules=2).save_pretrained(fit_out / "linear")
+    monkeypatch.setattr("evaluation.runner._load_model", lambda config: (tiny_model("llama"), char_tokenizer()))
+    argv = ["--press", "kvzap_mlp", "--threshold", "100", "--tasks", "niah_single", "--lengths", "400"]
+    argv += ["--n-samples", "1", "--max-new-tokens", "2", "--surrogate-mlp", str(fit_out / "linear")]
+    assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 1
+    assert "is a KVzap-linear model but model_type='mlp'" in capsys.readouterr().err
+
+
+def test_short_model_names_share_the_default_models_results(tmp_path):
+    from evaluation.runner import _model_name
+
+    default = load_config(output_dir=str(tmp_path))
+    short = load_config(output_dir=str(tmp_path), model="smollm2-135m")
+    assert _model_name(default, None) == _model_name(short, None) == "SmolLM2-135M-Instruct"
+    assert _model_name(load_config(output_dir=str(tmp_path), model="/m/foo.Q4.gguf"), None) == "foo.Q4"
