@@ -209,11 +209,6 @@ def test_a_press_can_be_copied_and_pickled():
         assert clone.compression_ratio > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12 item 3 (compact.py/cache.py, another engineer's): a pruned cache used after the with block "
-    "attends to its own token only (compact) or sees its evicted pairs again (masked), silently",
-)
 @pytest.mark.parametrize("storage", ["compact", "masked"])
 def test_a_pruned_cache_used_after_the_with_block(model, storage):
     """After exit, a pruned cache either keeps giving the logits of the pruned context, or raises a clear error
