@@ -508,8 +508,12 @@ def _check_attention_mask(attention_mask: Any) -> None:
         )
 
 
-def _check_cache(cache: Any) -> None:
-    """Refuse caches the press cannot prune (offloaded, static, quantized, or filled without the press)."""
+def _check_cache(cache: Any, keep_sliding: bool = False) -> None:
+    """Refuse caches the press cannot prune (offloaded, static, quantized, or filled without the press).
+
+    ``keep_sliding``: the press leaves sliding-window layers alone (``prune_sliding_layers=False``), so those
+    layers hold tokens without ever being wrapped: they are not "filled without the press".
+    """
     if getattr(cache, "offloading", False):
         raise TypeError(
             "kvzap presses cannot prune an offloaded cache (layers moved between devices by the cache): "
@@ -519,6 +523,8 @@ def _check_cache(cache: Any) -> None:
         if isinstance(layer, PrunableLayer):
             continue
         prunable_layer_like(layer)  # raises TypeError for layers we cannot prune
+        if keep_sliding and isinstance(layer, _compat.DynamicSlidingWindowLayer):
+            continue
         if layer.get_seq_length() > 0:
             raise ValueError(
                 "The cache already holds tokens that were processed without the press. Apply the press before "
