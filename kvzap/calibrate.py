@@ -4,6 +4,11 @@ The threshold -> compression mapping depends on the model and its surrogate (the
 Qwen3-8B does not carry over to other models). With dense prefill and no decoding-time pruning, a pair is
 evicted iff it lies outside the final window and its score is below the threshold, so one forward per text
 records every score and the whole curve follows without running the press again.
+
+Only the layers the press prunes are calibrated (:mod:`kvzap.layers`): by default the sliding-window layers are
+left out, as the press leaves them alone. With ``prune_sliding_layers=True`` they are counted the way the press
+counts them: a pair that slid out of the layer's stored window before the press decided cannot be evicted (its
+recorded score is ``+inf``), yet it counts among the pairs seen, as in ``press.compression_ratio``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from transformers import PreTrainedModel
 
 from kvzap import _compat
 from kvzap.cache import PrunableLayer
+from kvzap.layers import describe
 from kvzap.presses.base import BasePress, Scorer, check_scores
 from kvzap.prompts import context_ids
 
@@ -45,18 +51,38 @@ class _ScoreRecorder(BasePress):
         scores = check_scores(
             self.scorer.score_new_pairs(module, layer, hidden_states), self.scorer, module
         )  # (B, H, T)
-        self.scores[_compat.layer_index(module)] = scores[0].float().cpu()  # (H, T)
+        scores = scores[0].float().cpu()  # (H, T)
+        if isinstance(layer, _compat.DynamicSlidingWindowLayer):
+            # The press's evict ignores positions no longer stored (slid out of the window during this forward).
+            first_stored = layer.seen - layer.keys.shape[-2]
+            scores[:, : max(first_stored - (layer.seen - scores.shape[-1]), 0)] = float("inf")
+        self.scores[_compat.layer_index(module)] = scores
         return True
 
 
 @torch.no_grad()
 def collect_scores(
-    model: PreTrainedModel, tokenizer, scorer: Scorer, texts: Sequence[str], max_tokens: int | None = None
+    model: PreTrainedModel,
+    tokenizer,
+    scorer: Scorer,
+    texts: Sequence[str],
+    max_tokens: int | None = None,
+    *,
+    prune_sliding_layers: bool = False,
 ) -> list[list[torch.Tensor]]:
-    """Prefill scores of each text: ``result[text][layer]`` is ``(kv_heads, tokens)``."""
+    """Prefill scores of each text: ``result[text][j]`` is ``(kv_heads, tokens)`` for the ``j``-th layer the
+    press prunes (:func:`kvzap.layers.prunable_layers`); ``+inf`` where the press cannot evict (see the module
+    docstring).
+
+    Raises
+    ------
+    ValueError
+        When the model has no layer to prune (every layer uses a sliding window and ``prune_sliding_layers`` is
+        False).
+    """
     if isinstance(texts, str) or not texts:
         raise ValueError("texts must be a non-empty list of strings.")
-    recorder = _ScoreRecorder(scorer=scorer)
+    recorder = _ScoreRecorder(scorer=scorer, prune_sliding_layers=prune_sliding_layers)
     result = []
     for text in tqdm(texts, desc="calibration texts", unit="text"):
         # The context as the pipeline prefills it (chat turn, BOS rule of kvzap.prompts): the scores the press sees.
@@ -64,6 +90,12 @@ def collect_scores(
         recorder.scores = {}
         with recorder(model):
             model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        if not recorder.scores:
+            raise ValueError(
+                f"Nothing to calibrate: {describe(model)}, and a press leaves sliding-window layers alone by "
+                "default (their memory is bounded already). Pass prune_sliding_layers=True to calibrate (and "
+                "press) them too."
+            )
         result.append([recorder.scores[i] for i in sorted(recorder.scores)])
     return result
 
@@ -72,6 +104,8 @@ def compression_curve(
     scores: list[list[torch.Tensor]], thresholds: Sequence[float] | torch.Tensor, sliding_window_size: int = 128
 ) -> torch.Tensor:
     """Mean compression ratio (over texts, layers and heads, as ``press.compression_ratio``) per threshold.
+
+    ``scores`` as :func:`collect_scores` returns them (``+inf`` marks pairs the press cannot evict).
 
     Returns
     -------
@@ -102,6 +136,7 @@ def calibrate(
     sliding_window_size: int = 128,
     max_tokens: int | None = None,
     scores: list[list[torch.Tensor]] | None = None,
+    prune_sliding_layers: bool = False,
 ) -> float:
     """The smallest threshold whose mean prefill compression ratio on ``texts`` reaches ``target_compression``.
 
@@ -110,6 +145,8 @@ def calibrate(
     target_compression : share of KV pairs to evict, in [0, 1). Ratios above the share of pairs outside the
         sliding window cannot be reached: the threshold evicting every candidate is returned, with a warning.
     scores : reuse the output of :func:`collect_scores` to calibrate several targets without new forwards.
+    prune_sliding_layers : calibrate for a press with the same option (ignored when ``scores`` is given: pass it
+        to :func:`collect_scores`).
 
     Returns
     -------
@@ -120,9 +157,10 @@ def calibrate(
     if not 0 <= target_compression < 1:
         raise ValueError(f"target_compression must be in [0, 1), got {target_compression!r}.")
     if scores is None:
-        scores = collect_scores(model, tokenizer, scorer, texts, max_tokens)
-    # The curve is non-decreasing in the threshold: bisect between the lowest and highest score.
+        scores = collect_scores(model, tokenizer, scorer, texts, max_tokens, prune_sliding_layers=prune_sliding_layers)
+    # The curve is non-decreasing in the threshold: bisect between the lowest and highest evictable score.
     values = torch.cat([s.reshape(-1) for layers in scores for s in layers])
+    values = values[values != float("inf")]
     if values.numel() == 0:
         raise ValueError("scores holds no score: pass the output of collect_scores on non-empty texts.")
     if bool(torch.isnan(values).any()):

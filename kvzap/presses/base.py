@@ -28,6 +28,7 @@ from kvzap import _compat
 from kvzap.attention import ATTENTION_NAME, bind, ensure_registered, unbind
 from kvzap.cache import PrunableLayer, prunable_layer_like
 from kvzap.compact import compact_layer_like
+from kvzap.layers import is_sliding_module
 
 logger = logging.getLogger(__name__)
 
@@ -163,9 +164,14 @@ class BasePress(ABC):
 
     ``storage`` (keyword only, every press): ``"compact"`` (default) physically frees evicted pairs;
     ``"masked"`` keeps them in a dense cache and hides them from attention (same logits).
+
+    ``prune_sliding_layers`` (keyword only, every press): False (default) leaves the layers whose cache is
+    bounded by a sliding window (see :mod:`kvzap.layers`) alone: they are not scored, not evicted, and not
+    counted in the statistics, since evicting from them frees no memory. True prunes them like the others.
     """
 
     storage: str = field(default="compact", kw_only=True)
+    prune_sliding_layers: bool = field(default=False, kw_only=True)
 
     # Per-call state lives in thread-local storage (see ``_ThreadState``): one press may serve several models
     # from several threads at once, each thread seeing only its own forwards. Shared between threads: the map of
@@ -233,6 +239,7 @@ class BasePress(ABC):
         """
         if not isinstance(self.storage, str) or self.storage not in STORAGES:
             raise ValueError(f"storage must be one of {', '.join(map(repr, STORAGES))}, got {self.storage!r}.")
+        self.prune_sliding_layers = as_bool("prune_sliding_layers", self.prune_sliding_layers)
 
     def setup(self, model: PreTrainedModel) -> None:
         """Prepare for ``model`` before any hook is registered (e.g. load scorer weights)."""
@@ -270,6 +277,17 @@ class BasePress(ABC):
             self._prefilling = previous
 
     # --- statistics -------------------------------------------------------------------------------------------
+    def _leaves_alone(self, module: nn.Module, layer: Any) -> bool:
+        """True when the press must not touch this attention layer: a sliding-window layer (see
+        :mod:`kvzap.layers`) while ``prune_sliding_layers`` is False, whose cache layer is the bounded one
+        transformers built (a cache built lazily without the config stores every pair: it is pruned)."""
+        return (
+            not self.prune_sliding_layers
+            and isinstance(layer, _compat.DynamicSlidingWindowLayer)
+            and not isinstance(layer, PrunableLayer)
+            and is_sliding_module(module)
+        )
+
     def _record(self, layer_idx: int, layer: PrunableLayer) -> None:
         self._stats[layer_idx] = (layer.n_evicted, layer.seen)
 
@@ -278,7 +296,9 @@ class BasePress(ABC):
             raise RuntimeError(
                 "No compression statistics yet in this thread: run a forward pass (or the pipeline) under "
                 "`with press(model):` first. Statistics are kept per thread: read them in the thread that ran "
-                "the forward."
+                "the forward. A press with prune_sliding_layers=False prunes nothing in a model whose layers all "
+                "use a sliding window (their memory is bounded already): pass prune_sliding_layers=True to prune "
+                "them."
             )
         return [self._stats[i] for i in sorted(self._stats)]
 
@@ -322,7 +342,14 @@ class BasePress(ABC):
         idx = _compat.layer_index(module)
         layers = cache.layers
         if idx == 0:
-            _check_cache(cache)
+            _check_cache(cache, keep_sliding=not self.prune_sliding_layers)
+        if self._leaves_alone(module, layers[idx] if idx < len(layers) else None):
+            # Bounded by its window already: transformers' sdpa reads the untouched layer (no binding), and the
+            # post-hook finds no call, so the press neither scores, evicts nor records it.
+            if idx == 0 and layers[idx].get_seq_length() == 0:
+                self._stats.clear()  # a new sequence starts (layer 0 cannot tell it through ``seen`` here)
+            unbind([module])
+            return None
         if len(layers) <= idx:
             # Lazily built cache (DynamicCache() without a config): create this layer ourselves.
             new_layer = STORAGES[self.storage]
@@ -399,7 +426,7 @@ class BasePress(ABC):
                 self._calls.pop(module, None)
         cache = _compat.cache_from_kwargs(kwargs)
         if cache is not None:  # before the mask: transformers 5.2 gives a static cache a 4-D mask
-            _check_cache(cache)
+            _check_cache(cache, keep_sliding=not self.prune_sliding_layers)
         _check_attention_mask(kwargs.get("attention_mask"))
         inputs = kwargs.get("input_ids", args[0] if args else None)
         if inputs is None:

@@ -90,7 +90,9 @@ def test_scores_equal_kvzip_plus_scores(family, tokenizer):
     model = tiny_model(family)
     ids = prefill_ids(tokenizer)  # 84 tokens: crosses the 24-token sliding window of mistral and gemma3
     scorer = RecordingScorer(tokenizer)
-    prefill(model, DMSThresholdPress(scorer, threshold=-1e30, sliding_window_size=4), ids)  # scores, evicts nothing
+    # Scores every layer (sliding ones too: they are scored only on request), evicts nothing.
+    press = DMSThresholdPress(scorer, threshold=-1e30, sliding_window_size=4, prune_sliding_layers=True)
+    prefill(model, press, ids)
     served = torch.stack([scorer.served[i] for i in sorted(scorer.served)])  # (n_layers, 1, H, n)
     torch.testing.assert_close(served, direct_scores(model, tokenizer, ids), rtol=0, atol=0)
     # On the context tokens they are the training targets of the context (what KVzap surrogates learn).
