@@ -196,6 +196,8 @@ class _ScoringState:
     kvzip: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (kv_heads, prompt_len) log a
     # False: a layer's attention input is dropped once the layer is scored (only the scores are wanted).
     keep_hidden: bool = True
+    # The layers to score (None: every layer); the others run plain sdpa and keep nothing.
+    layers: frozenset[int] | None = None
 
 
 _ACTIVE_STATE: _ScoringState | None = None
@@ -313,7 +315,7 @@ def scoring_attention(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
     state = _ACTIVE_STATE
-    if state is None:
+    if state is None or (state.layers is not None and module.layer_idx not in state.layers):
         return output
     if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         raise ValueError(
@@ -362,7 +364,8 @@ def _scoring_context(model: nn.Module, state: _ScoringState) -> Iterator[None]:
         state.hidden[module.layer_idx] = hidden.detach()
 
     original = model.config._attn_implementation
-    handles = [m.register_forward_pre_hook(capture_hidden, with_kwargs=True) for m in _attention_modules(model)]
+    modules = [m for m in _attention_modules(model) if state.layers is None or m.layer_idx in state.layers]
+    handles = [m.register_forward_pre_hook(capture_hidden, with_kwargs=True) for m in modules]
     previous_state, _ACTIVE_STATE = _ACTIVE_STATE, state
     try:
         model.set_attn_implementation(SCORING_ATTENTION_NAME)
@@ -386,7 +389,8 @@ class KVzipPlusOutput:
     Attributes
     ----------
     log_scores : torch.Tensor
-        ``(n_layers, kv_heads, prompt_len)`` float32 log s+ of every KV pair of the original prompt.
+        ``(n_layers, kv_heads, prompt_len)`` float32 log s+ of every KV pair of the original prompt (``n_layers``:
+        the layers scored, see ``layers``).
     hidden_states : torch.Tensor or None
         ``(n_layers, prompt_len, D)`` inputs of the attention layers at the prompt positions (the surrogate's
         features), when requested.
@@ -395,12 +399,15 @@ class KVzipPlusOutput:
         repeated rows and the GQA group), the distillation target of Fast KVzip gates, when requested.
     repeat_prompt : RepeatPrompt
         The sequence that was run.
+    layers : tuple of int
+        The model layers scored, in order: row ``j`` of every tensor above is layer ``layers[j]``.
     """
 
     log_scores: torch.Tensor
     hidden_states: torch.Tensor | None
     repeat_prompt: RepeatPrompt
     log_kvzip: torch.Tensor | None = None
+    layers: tuple[int, ...] = ()
 
 
 @torch.no_grad()
@@ -412,6 +419,7 @@ def kvzip_plus_scores(
     return_hidden_states: bool = False,
     chunk_size: int = 64,
     return_kvzip: bool = False,
+    layers: Sequence[int] | None = None,
 ) -> KVzipPlusOutput:
     """KVzip+ log-scores of every KV pair of a prompt, from one forward pass of the repeat prompt.
 
@@ -429,6 +437,10 @@ def kvzip_plus_scores(
         Query rows scored at once; bounds the extra memory to ``q_heads * chunk_size * seq_len`` floats.
     return_kvzip : bool, default False
         Also return the plain KVzip log-scores (the target of Fast KVzip gates).
+    layers : sequence of int, optional
+        Score only these model layers (the others run plain attention: no extra cost, nothing kept). Default:
+        every layer. Collection passes :func:`kvzap.layers.prunable_layers`, which leaves out the sliding-window
+        layers, whose pairs a press does not prune (and which a window hides from most repeated rows anyway).
 
     Returns
     -------
@@ -436,6 +448,14 @@ def kvzip_plus_scores(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}.")
+    if layers is not None:
+        n_layers = len(_attention_modules(model))
+        layers = sorted(set(layers))
+        if not layers or not all(isinstance(i, int) and 0 <= i < n_layers for i in layers):
+            raise ValueError(
+                f"layers must be a non-empty list of layer indices in [0, {n_layers}), got {layers!r}. A model whose "
+                "layers all use a sliding window has no layer to collect unless sliding layers are pruned too."
+            )
     repeat_prompt = prompt_ids if isinstance(prompt_ids, RepeatPrompt) else build_repeat_prompt(tokenizer, prompt_ids)
     state = _ScoringState(
         prompt=repeat_prompt.prompt,
@@ -443,6 +463,7 @@ def kvzip_plus_scores(
         chunk_size=chunk_size,
         with_kvzip=return_kvzip,
         keep_hidden=return_hidden_states,
+        layers=None if layers is None else frozenset(layers),
     )
     device = next(model.parameters()).device
     with _scoring_context(model, state):
@@ -456,5 +477,9 @@ def kvzip_plus_scores(
         hidden = torch.stack([state.hidden[i][0, p].float() for i in layers])  # (n_layers, prompt_len, D)
     log_kvzip = torch.stack([state.kvzip[i] for i in layers]) if return_kvzip else None
     return KVzipPlusOutput(
-        log_scores=log_scores, hidden_states=hidden, repeat_prompt=repeat_prompt, log_kvzip=log_kvzip
+        log_scores=log_scores,
+        hidden_states=hidden,
+        repeat_prompt=repeat_prompt,
+        log_kvzip=log_kvzip,
+        layers=tuple(layers),
     )

@@ -44,6 +44,7 @@ from kvzap.kvzip import (
     scoring_attention,
 )
 from kvzap.kvzip import SCORING_ATTENTION_NAME as ATTENTION_NAME
+from kvzap.layers import describe, prunable_layers
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ def collect(
     accelerator=None,
     extra_settings: dict | None = None,
     with_kvzip: bool = False,
+    prune_sliding_layers: bool = False,
 ) -> dict:
     """Collect (hidden state, KVzip+ log-score) pairs for a list of prompts, in resumable shards.
 
@@ -137,6 +139,9 @@ def collect(
 
     Each shard holds ``X`` ``(rows, n_layers, D)`` (``feature_dtype``), ``y`` ``(rows, n_layers, kv_heads)``
     float32, ``prompt_index`` and ``position`` ``(rows,)`` int64, with ``rows = sum(min(n_tokens, len))``.
+    ``n_layers`` counts the layers a press prunes (:func:`kvzap.layers.prunable_layers`): sliding-window layers
+    are left out by default, and ``settings.json`` then lists the model layers collected under ``"layers"``
+    (absent: every layer, as in collections made before this field existed).
 
     Parameters
     ----------
@@ -163,6 +168,8 @@ def collect(
     with_kvzip : bool, default False
         Also store ``y_kvzip`` ``(rows, n_layers, kv_heads)``, the plain KVzip log-scores that Fast KVzip gates
         are distilled from.
+    prune_sliding_layers : bool, default False
+        Also collect the sliding-window layers (for surrogates serving presses with the same option).
 
     Returns
     -------
@@ -179,6 +186,12 @@ def collect(
     is_main = rank == 0
 
     config = model.config
+    layers = prunable_layers(model, prune_sliding_layers)
+    if not layers:
+        raise ValueError(
+            f"Nothing to collect: {describe(model)}, and presses leave sliding-window layers alone by default. "
+            "Pass prune_sliding_layers=True to collect (and later prune) them."
+        )
     settings = {
         "model": str(getattr(config, "_name_or_path", "")),
         "n_layers": config.num_hidden_layers,
@@ -190,6 +203,7 @@ def collect(
         "seed": seed,
         "feature_dtype": str(feature_dtype).removeprefix("torch."),
         "target": "log KVzip+ score" + (" and log KVzip score (y_kvzip)" if with_kvzip else ""),
+        **({} if len(layers) == config.num_hidden_layers else {"layers": list(layers)}),
         **(extra_settings or {}),
     }
     settings_file = out_dir / SETTINGS_NAME
@@ -221,7 +235,13 @@ def collect(
         for index in range(k * shard_size, min((k + 1) * shard_size, len(prompts))):
             prompt = torch.as_tensor(list(prompts[index]), dtype=torch.long)
             result = kvzip_plus_scores(
-                model, tokenizer, prompt, return_hidden_states=True, chunk_size=chunk_size, return_kvzip=with_kvzip
+                model,
+                tokenizer,
+                prompt,
+                return_hidden_states=True,
+                chunk_size=chunk_size,
+                return_kvzip=with_kvzip,
+                layers=layers,
             )
             positions = sample_positions(prompt.numel(), n_tokens, seed + index)
             row = {

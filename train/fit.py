@@ -242,6 +242,24 @@ def fit_layer_mlp(X: np.ndarray, y: np.ndarray, config: MLPConfig | None = None)
     return net.module_.cpu().eval(), history
 
 
+def layer_map(manifest: dict) -> dict:
+    """``fit_surrogate``'s ``layers`` and ``n_model_layers`` from a collection's manifest (its settings)."""
+    layers = manifest.get("layers")  # absent: every layer was collected
+    return {"layers": layers, "n_model_layers": manifest["n_layers"] if layers is not None else None}
+
+
+def _model_key(manifest: dict) -> tuple:
+    """What collections concatenated together must share: the model and the layers collected."""
+    layers = manifest.get("layers")
+    return (
+        manifest["model"],
+        manifest["n_layers"],
+        manifest["hidden_size"],
+        manifest["kv_heads"],
+        None if layers is None else tuple(layers),
+    )
+
+
 def _layer_arrays(
     X: torch.Tensor, y: torch.Tensor, layer: int, rows: torch.Tensor | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -258,8 +276,10 @@ def fit_surrogate(
     *,
     mlp_config: MLPConfig | None = None,
     rows: torch.Tensor | None = None,
+    layers: Sequence[int] | None = None,
+    n_model_layers: int | None = None,
 ):
-    """Fit one surrogate module per layer.
+    """Fit one surrogate module per collected layer.
 
     Parameters
     ----------
@@ -274,11 +294,16 @@ def fit_surrogate(
     rows : torch.Tensor, optional
         ``(n,)`` indices of the rows to fit on (all by default); taken one layer at a time, so a subset of a
         large collection is never copied whole.
+    layers, n_model_layers : optional
+        The model layer of each of the ``L`` collected layers and the model's number of layers, when the
+        collection left layers out (its settings' ``"layers"``: sliding-window layers, see :mod:`kvzap.layers`).
+        The surrogate then has one module per model layer, those not collected untrained (zeros) and listed
+        apart in its ``prunable_layers``. Default: the ``L`` collected layers are the model's.
 
     Returns
     -------
     surrogate : KVzapSurrogate
-        With ``n_modules = L``, ``input_dim = D``, ``output_dim = H``.
+        With ``n_modules = L`` (or ``n_model_layers``), ``input_dim = D``, ``output_dim = H``.
     history : list of dict
         Per-layer training history (empty dicts for linear).
     """
@@ -296,10 +321,29 @@ def fit_surrogate(
         n = rows.numel()
     mlp_config = mlp_config or MLPConfig()
     hidden = None if model_type == "linear" else (mlp_config.hidden_dim or max(1, d // 8))
-    surrogate = KVzapSurrogate(input_dim=d, output_dim=n_heads, n_modules=n_layers, hidden_dim=hidden)
+    if layers is None:
+        layers, n_model_layers = list(range(n_layers)), n_layers
+    elif n_model_layers is None or len(layers) != n_layers:
+        raise ValueError(
+            f"layers must name the model layer of each of the {n_layers} collected layers, with n_model_layers "
+            f"the model's number of layers; got layers={list(layers)!r} and n_model_layers={n_model_layers!r}."
+        )
+    partial = list(layers) != list(range(n_model_layers))
+    surrogate = KVzapSurrogate(
+        input_dim=d,
+        output_dim=n_heads,
+        n_modules=n_model_layers,
+        hidden_dim=hidden,
+        prunable_layers=list(layers) if partial else None,
+    )
+    if partial:  # untrained modules: zeros, never random weights that look like a prediction
+        with torch.no_grad():
+            for parameter in surrogate.parameters():
+                parameter.zero_()
     histories = []
-    for layer in tqdm(range(n_layers), desc=f"fit {model_type}", unit="layer", disable=None):
-        X_l, y_l = _layer_arrays(X, y, layer, rows)
+    for column in tqdm(range(n_layers), desc=f"fit {model_type}", unit="layer", disable=None):
+        layer = layers[column]
+        X_l, y_l = _layer_arrays(X, y, column, rows)
         start = time.perf_counter()
         if model_type == "linear":
             fitted, history = fit_layer_linear(X_l, y_l), {}
@@ -622,8 +666,8 @@ def _load_with_kinds(
         groups.append(prompt_index + offset)  # prompt 0 of the second collection is another prompt
         offset += int(manifest["n_prompts"])
         manifests.append(manifest)
-    if len({(m["model"], m["n_layers"], m["hidden_size"], m["kv_heads"]) for m in manifests}) > 1:
-        raise ValueError(f"The collections {[str(d) for d in dirs]} come from different models.")
+    if len({_model_key(m) for m in manifests}) > 1:
+        raise ValueError(f"The collections {[str(d) for d in dirs]} come from different models (or layers).")
     return torch.cat(Xs), torch.cat(ys), torch.cat(groups), kinds, manifests[0]
 
 
@@ -755,7 +799,7 @@ def leave_kinds_out(
         }
         for model_type in model_types:
             start = time.perf_counter()
-            surrogate, _ = fit_surrogate(X, y, model_type, mlp_config=mlp_config, rows=fit_rows)
+            surrogate, _ = fit_surrogate(X, y, model_type, mlp_config=mlp_config, rows=fit_rows, **layer_map(manifest))
             result = evaluate_surrogate(surrogate, X_k, y_k, prompt_index=groups_k)
             result["fit_seconds"] = round(time.perf_counter() - start, 1)
             entry["surrogates"][model_type] = result
@@ -813,8 +857,8 @@ def fit_and_save(
     if not train_dirs:
         raise ValueError("train_dir must name at least one collection.")
     parts = [load_collection(d) for d in train_dirs]
-    if len({(p[2]["model"], p[2]["n_layers"], p[2]["hidden_size"], p[2]["kv_heads"]) for p in parts}) > 1:
-        raise ValueError(f"The collections {[str(d) for d in train_dirs]} come from different models.")
+    if len({_model_key(p[2]) for p in parts}) > 1:
+        raise ValueError(f"The collections {[str(d) for d in train_dirs]} come from different models (or layers).")
     X = torch.cat([p[0] for p in parts])  # (N, L, D)
     y = torch.cat([p[1] for p in parts])  # (N, L, H)
     manifest = {**parts[0][2], "n_prompts": sum(p[2]["n_prompts"] for p in parts)}
@@ -836,7 +880,7 @@ def fit_and_save(
     }
     for model_type in model_types:
         start = time.perf_counter()
-        surrogate, history = fit_surrogate(X, y, model_type, mlp_config=mlp_config)
+        surrogate, history = fit_surrogate(X, y, model_type, mlp_config=mlp_config, **layer_map(manifest))
         surrogate.save_pretrained(out_dir / model_type)
         entry = {"fit_seconds": round(time.perf_counter() - start, 1), "path": str(out_dir / model_type)}
         if model_type == "mlp":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -46,6 +47,20 @@ def _check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def _check_prunable_layers(layers: object, n_modules: int) -> tuple[int, ...] | None:
+    """``prunable_layers`` as a tuple, or None (every layer trained); a ValueError unless it lists distinct
+    layers in ``[0, n_modules)`` in increasing order."""
+    if layers is None:
+        return None
+    if not isinstance(layers, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise ValueError(f"prunable_layers must be a list of layer indices, got {layers!r}.")
+    if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= n_modules:
+        raise ValueError(
+            f"prunable_layers must list distinct layers in [0, {n_modules}) in increasing order, got {list(layers)}."
+        )
+    return tuple(layers)
+
+
 class KVzapSurrogate(nn.Module):
     """Per-layer surrogates predicting log KVzip+ scores from hidden states.
 
@@ -59,20 +74,39 @@ class KVzapSurrogate(nn.Module):
         ``L``, the number of decoder layers (one module each).
     hidden_dim : int, optional
         Width of the MLP hidden layer; ``None`` (default) builds KVzap-Linear.
+    prunable_layers : sequence of int, optional
+        The layers whose module was trained, when not all were: models with sliding-window layers, which
+        presses leave alone by default (:mod:`kvzap.layers`). The checkpoint keeps one module per model layer
+        (``n_modules = L``, weights ``layers.{i}.*`` as published); the others are untrained (zeros), and
+        :meth:`forward` refuses them. Saved as the extra ``config.json`` field ``"prunable_layers"``; a
+        checkpoint without it (every published one) has every layer trained.
 
     Raises
     ------
     ValueError
-        If a dimension is not a positive integer.
+        If a dimension is not a positive integer, or ``prunable_layers`` is not a sorted list of distinct layers.
     """
 
-    def __init__(self, input_dim: int, output_dim: int, n_modules: int, hidden_dim: int | None = None) -> None:
+    def __init__(
+        self,
+        input_dim: int,
+        output_dim: int,
+        n_modules: int,
+        hidden_dim: int | None = None,
+        prunable_layers: Sequence[int] | None = None,
+    ) -> None:
         super().__init__()
         self.input_dim = _check_positive_int("input_dim", input_dim)
         self.output_dim = _check_positive_int("output_dim", output_dim)
         self.n_modules = _check_positive_int("n_modules", n_modules)
         self.hidden_dim = None if hidden_dim is None else _check_positive_int("hidden_dim", hidden_dim)
+        self.prunable_layers = _check_prunable_layers(prunable_layers, self.n_modules)
         self.layers = nn.ModuleList(self._build_module() for _ in range(self.n_modules))
+
+    @property
+    def trained_layers(self) -> tuple[int, ...]:
+        """The layers whose module was trained (every layer when ``prunable_layers`` is None)."""
+        return tuple(range(self.n_modules)) if self.prunable_layers is None else self.prunable_layers
 
     @staticmethod
     def _tensor_count(n_modules: int, hidden_dim: int | None) -> int:
@@ -107,14 +141,18 @@ class KVzapSurrogate(nn.Module):
 
     @property
     def config(self) -> dict:
-        """The fields of ``config.json`` in the published format (``hidden_dim`` is ``None`` for linear)."""
-        return {
+        """The fields of ``config.json`` in the published format (``hidden_dim`` is ``None`` for linear), plus
+        ``prunable_layers`` when some layers were not trained."""
+        config = {
             "model_type": _MODEL_TYPE,
             "input_dim": self.input_dim,
             "output_dim": self.output_dim,
             "n_modules": self.n_modules,
             "hidden_dim": self.hidden_dim,
         }
+        if self.prunable_layers is not None:
+            config["prunable_layers"] = list(self.prunable_layers)
+        return config
 
     def extra_repr(self) -> str:
         return f"model_type={self.model_type!r}, " + ", ".join(f"{k}={getattr(self, k)}" for k in _FIELDS)
@@ -155,6 +193,13 @@ class KVzapSurrogate(nn.Module):
             raise TypeError(f"layer_idx must be an integer, got {type(layer_idx).__name__}.") from error
         if not 0 <= layer_idx < self.n_modules:
             raise IndexError(f"layer_idx must be in [0, {self.n_modules}) for this surrogate, got {layer_idx}.")
+        if self.prunable_layers is not None and layer_idx not in self.prunable_layers:
+            raise ValueError(
+                f"This surrogate's module for layer {layer_idx} was not trained (only layers "
+                f"{list(self.prunable_layers)} were: the others use a sliding window). Leave sliding-window layers "
+                "alone (the press's default prune_sliding_layers=False), or train a surrogate on a collection made "
+                "with prune_sliding_layers=True."
+            )
         self._check_last_dim(hidden_states)
         module = self.layers[layer_idx]
         # The functional form of the module's layers (same parameters, same ops): on a few tokens (decoding) each
@@ -172,7 +217,9 @@ class KVzapSurrogate(nn.Module):
         Parameters
         ----------
         hidden_states : torch.Tensor
-            ``(N, L, D)``: for each of ``N`` tokens, the hidden state entering each of the ``L`` layers.
+            ``(N, L, D)``: for each of ``N`` tokens, the hidden state entering each of the ``L`` trained layers
+            (:attr:`trained_layers`, in order: every layer, or those of ``prunable_layers``, as a collection
+            stores them).
 
         Returns
         -------
@@ -184,13 +231,14 @@ class KVzapSurrogate(nn.Module):
         ValueError
             If the shape is not ``(N, L, D)`` with this surrogate's ``L`` and ``D``.
         """
-        if hidden_states.ndim != 3 or hidden_states.shape[1:] != (self.n_modules, self.input_dim):
+        layers = self.trained_layers
+        if hidden_states.ndim != 3 or hidden_states.shape[1:] != (len(layers), self.input_dim):
             raise ValueError(
-                f"hidden_states must have shape (N, {self.n_modules}, {self.input_dim}) "
-                f"(tokens, layers, hidden size), got {tuple(hidden_states.shape)}."
+                f"hidden_states must have shape (N, {len(layers)}, {self.input_dim}) "
+                f"(tokens, trained layers, hidden size), got {tuple(hidden_states.shape)}."
             )
         return torch.stack(
-            [self(hidden_states[:, i], i) for i in range(self.n_modules)],  # each (N, H)
+            [self(hidden_states[:, j], i) for j, i in enumerate(layers)],  # each (N, H)
             dim=1,
         )  # (N, L, H)
 
@@ -291,7 +339,8 @@ class KVzapSurrogate(nn.Module):
                 _check_positive_int(name, fields[name])
             if fields["hidden_dim"] is not None:
                 _check_positive_int("hidden_dim", fields["hidden_dim"])
-        except ValueError as error:
+            prunable = _check_prunable_layers(config.get("prunable_layers"), fields["n_modules"])
+        except (TypeError, ValueError) as error:
             raise ValueError(f"The surrogate config {str(config_path)!r} is invalid: {error}") from error
         check_config_fields(fields, config_path, expect)
         # The header is checked against the config before anything is allocated: a config describing huge
@@ -306,7 +355,7 @@ class KVzapSurrogate(nn.Module):
         # The meta device skips the random init of weights that are about to be replaced
         # (about 200M parameters for the Qwen3-32B MLP surrogate).
         with torch.device("meta"):
-            surrogate = cls(**fields)
+            surrogate = cls(**fields, prunable_layers=prunable)
         state_dict = load_weights(weights_path)
         # assign=True keeps the tensors read from the file, hence their dtype.
         load_state_dict_strict(surrogate, state_dict, str(weights_path), assign=True)
