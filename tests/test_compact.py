@@ -18,8 +18,14 @@ FULL_ATTENTION_FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "gemma3_text"]
 
 
 def _press(threshold=0.0, window=4, scorer=None, storage="compact"):
+    # Sliding-window layers pruned too: these tests compare both storages on every kind of layer.
     return DMSThresholdPress(
-        scorer or RandomScorer(seed=0), threshold=threshold, sliding_window_size=window, decoding=True, storage=storage
+        scorer or RandomScorer(seed=0),
+        threshold=threshold,
+        sliding_window_size=window,
+        decoding=True,
+        storage=storage,
+        prune_sliding_layers=True,
     )
 
 
