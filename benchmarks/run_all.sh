@@ -2,6 +2,8 @@
 # Every figure of BENCHMARKS.md in one run: kvzap (this environment) and kvpress 0.5.5 (its own environment,
 # transformers 5.2.x) on the same model, text, threshold and surrogate, then the tables (benchmarks/report.py).
 #   KVPRESS_PYTHON=/path/to/kvpress-venv/bin/python benchmarks/run_all.sh [MODEL_DIR] [THRESHOLD]
+# PART=timing runs the speed figures only (they need a quiet machine), PART=memory the memory figures only (they do
+# not depend on the machine's load); the default runs both, then writes the report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-$HOME/.cache/kvzap/models/SmolLM2-135M-Instruct}
@@ -12,16 +14,24 @@ OUT=${OUT:-benchmarks/results}
 THREADS=${THREADS:-2}
 RUNS=${RUNS:-5}  # runs per kvzap mode (medians): this VM's run-to-run noise is a few percent
 KVPRESS_RUNS=${KVPRESS_RUNS:-3}
+PART=${PART:-all}
 export PYTHONPATH=.
 mkdir -p "$OUT"
 common=(--model "$MODEL" --threads "$THREADS")
 
+if [ "$PART" != memory ]; then  # speed: decoding, prefill, scorers, the collection
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 64 --runs "$RUNS" \
     --json "$OUT/kvzap.json"
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 2048 8192 --threshold=-inf --decode 64 --runs "$RUNS" \
     --modes none compact --json "$OUT/kvzap_no_eviction.json"
 "$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 64 --runs "$KVPRESS_RUNS" \
     --json "$OUT/kvpress.json"
+"$PY" -m benchmarks.bench_scorers --model "$MODEL" --threads "$THREADS" --json "$OUT/scorers.json"
+if [ -z "${SKIP_COLLECT:-}" ]; then  # the KVzip+ collection cost (training); SKIP_COLLECT=1 keeps the last figures
+    "$PY" -m benchmarks.bench_collect --threads "$THREADS" --runs 3 --json "$OUT/collect.json"
+fi
+fi
+if [ "$PART" != timing ]; then  # memory, measured from outside
 # KV memory from outside (held by the cache, prefill peak at every layer's exit) and peak RSS of 8k prefill + 256
 # decoded tokens, median of 5 fresh processes per mode (none, compact).
 "$PY" -m benchmarks.bench_memory "${common[@]}" --prefill 2048 8192 --threshold="$TAU" --decode 64 --rss-runs 5 \
@@ -30,8 +40,5 @@ common=(--model "$MODEL" --threads "$THREADS")
     --peak-memory compact --prefill-chunk 1024 --json "$OUT/peak_compact_chunked.json"
 "$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \
     --peak-memory kvpress --json "$OUT/peak_kvpress.json"
-"$PY" -m benchmarks.bench_scorers --model "$MODEL" --threads "$THREADS" --json "$OUT/scorers.json"
-if [ -z "${SKIP_COLLECT:-}" ]; then  # the KVzip+ collection cost (training); SKIP_COLLECT=1 keeps the last figures
-    "$PY" -m benchmarks.bench_collect --threads "$THREADS" --runs 3 --json "$OUT/collect.json"
 fi
 "$PY" -m benchmarks.report "$OUT" | tee "$OUT/report.md"
