@@ -133,11 +133,14 @@ class KVPressTextGenerationPipeline(Pipeline):
         cache_kw = _compat.cache_kwarg_name(model)
         chunk = prefill_chunk_size or width
         chunked = chunk < width and press is not None
+        # The first chunk holds all the padding (a row may not start with a chunk of padding only): the padding
+        # is then evicted by that chunk's dense prefill, never stored.
+        pad_max = width - min(lengths)
+        bounds = [0, *range(min(pad_max + chunk, width), width, chunk), width]
         answers: list[list[str]] = []
         with press(model) if press is not None else contextlib.nullcontext():
             with press.prefilling() if chunked else contextlib.nullcontext():
-                for start in range(0, width, chunk):
-                    end = min(start + chunk, width)
+                for start, end in zip(bounds[:-1], bounds[1:], strict=True):
                     model(
                         input_ids=ids[:, start:end],
                         attention_mask=mask[:, :end],

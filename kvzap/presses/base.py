@@ -560,7 +560,9 @@ def _left_padding(attention_mask: Any, read: bool = True) -> tuple[torch.Tensor,
     pad_max = int(pads.max())
     if pad_max == attention_mask.shape[-1]:
         raise ValueError(
-            "A row of the attention mask holds only zeros (a sequence without tokens): drop empty sequences."
+            "A row of the attention mask holds only zeros: a sequence without tokens, or a first prefill chunk "
+            "shorter than a row's padding. Drop empty sequences; in a chunked prefill, make the first chunk hold "
+            "all the padding (the pipeline does)."
         )
     return pads, pad_max
 
