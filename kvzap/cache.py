@@ -155,6 +155,15 @@ def masked_sdpa(
     return out.reshape(bsz, n_q_heads, q_len, head_dim).transpose(1, 2).contiguous()
 
 
+def _rows_of(value: Any, rows: torch.Tensor) -> Any:
+    """``value``'s batch rows ``rows`` (tensors: along dim 0; tuples and lists: each item), other values as is."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return value.index_select(0, rows.to(value.device))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows_of(v, rows) for v in value)
+    return value
+
+
 def _trimmed(value: Any) -> Any:
     """``value``, or a copy of it when it is a tensor view holding more than twice its own bytes alive (e.g. the
     scores of the window's tokens, sliced out of the whole prompt's scores). Values are replaced, never
@@ -214,6 +223,15 @@ class PrunableLayer:
     def held_objects(self) -> list[Any]:
         """Every tensor and array this layer holds (for :func:`kv_bytes`): storage, bookkeeping, press state."""
         return [self.n_evicted, self.press_state, self.last_keys, self.last_values]
+
+    def _select_press_state(self, rows: torch.Tensor) -> None:
+        """Keep the press state's rows ``rows`` (a batch operation: select, repeat, reorder).
+
+        Every tensor a press keeps per sequence has the batch first (scores ``(B, H, p)``, buffered hidden states
+        ``(B, q, D)``, pad counts ``(B,)``), in the state's values or in tuples of them; other values (positions,
+        counts) are the same for every row and stay.
+        """
+        self.press_state = {name: _rows_of(value, rows) for name, value in self.press_state.items()}
 
     # Forwards ------------------------------------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -406,18 +424,24 @@ class _MaskedStorage(PrunableLayer):
         self._init_masked()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.keep is not None:
+            self._select_press_state(torch.arange(self.keep.shape[0]).repeat_interleave(repeats))
         super().batch_repeat_interleave(repeats)
         if self.keep is not None:
             self.keep = self.keep.repeat_interleave(repeats, dim=0)
             self.n_evicted = self.n_evicted.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.keep is not None:
+            self._select_press_state(torch.arange(self.keep.shape[0])[torch.as_tensor(indices).cpu()].reshape(-1))
         super().batch_select_indices(indices)
         if self.keep is not None:
             self.keep = self.keep[indices]
             self.n_evicted = self.n_evicted[indices]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.keep is not None:
+            self._select_press_state(beam_idx.cpu().reshape(-1))
         super().reorder_cache(beam_idx)
         if self.keep is not None:
             self.keep = self.keep.index_select(0, beam_idx.to(self.keep.device))

@@ -18,11 +18,12 @@ split the same way (:mod:`kvzap.paged`):
 :class:`CompactLayer` is the adapter between these and transformers' cache-layer protocol. What it does:
 
 - **Prefill** (the first forward): ``update`` keeps a reference to the new pairs and returns them, and
-  transformers' own sdpa reads them (dense prefill). Nothing is written into the pool yet: the press's eviction
-  (``evict`` in its post-hook) writes only the kept pairs, each head into its own consecutive blocks; pairs that
-  no eviction touched are written at the end of the forward (:meth:`CompactLayer.end_forward`, or the layer's
-  next use if the press never got there). So a layer never holds the prompt twice, and its dense pairs are
-  freed as soon as its eviction has run.
+  transformers' own sdpa reads them (dense prefill). Nothing is written into the pool yet: the press's
+  evictions (``evict`` in its post-hook: a padded batch's padding, then the press's decisions) are gathered into
+  one keep mask on the host, and the kept pairs only are written at the end of the forward
+  (:meth:`CompactLayer.end_forward`, or the layer's next use if the press never got there), each head into its
+  own consecutive blocks. So a layer never holds the prompt twice, never stores an evicted pair of the prompt
+  (padding included), and its dense pairs are freed when the press's post-hook ends.
 - **Append** (later forwards) writes each head's new pairs into its holes first (not while a snapshot shares
   the pool), then into its next fresh slots; a head whose last block is full takes the next unused block (the
   pool grows by 1/32 when it runs out: amortised O(1) per token).
@@ -96,7 +97,13 @@ class CompactLayer(PrunableLayer, DynamicLayer):
     # the first forward's dense pairs and the device evictions not yet seen by the table are settled first.
     _SHARED_FIELDS = PrunableLayer._SHARED_FIELDS | {"block_size", "_bsz", "_heads"}
     _COPIED_FIELDS = PrunableLayer._COPIED_FIELDS | {"table", "pool"}
-    _TRANSIENT_FIELDS = PrunableLayer._TRANSIENT_FIELDS | {"_dense", "_freed", "_pending_span", "_heads_arange"}
+    _TRANSIENT_FIELDS = PrunableLayer._TRANSIENT_FIELDS | {
+        "_dense",
+        "_dense_keep",
+        "_freed",
+        "_pending_span",
+        "_heads_arange",
+    }
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, **kwargs):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -113,6 +120,8 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self.pool = BlockPool(self.block_size)
         # The first forward's new pairs (B, H, q, d), not written into the pool yet (see the module docstring).
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Which of them the evictions of that forward keep, (heads, q) on the host; None while none ran.
+        self._dense_keep: np.ndarray | None = None
         # Device evictions the table has not seen: (heads (N,), positions (N,), freed (N,) bool device tensor), and
         # the span of positions they covered (an eviction overlapping it must check which slots are still live).
         self._freed: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
@@ -131,7 +140,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
     def _settle(self) -> None:
         """Write the first forward's pairs if still pending, and bring the table up to date with the device."""
         if self._dense is not None:
-            self._write_dense(None)
+            self._write_dense()
         self._sync()
 
     def _sync(self) -> None:
@@ -148,11 +157,12 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         if self.table.holes_pile_up() and not self.pool.kv_shared:
             self._repack()
 
-    def _write_dense(self, keep: np.ndarray | None) -> None:
-        """Write the first forward's pairs into a new pool, only those where ``keep`` ``(heads, q)`` is True
-        (None: all), each head into consecutive blocks; then drop the dense pairs."""
+    def _write_dense(self) -> None:
+        """Write the first forward's pairs into a new pool, only those its evictions kept (``_dense_keep``
+        ``(heads, q)``, None: all), each head into consecutive blocks; then drop the dense pairs."""
         keys, values = self._dense
-        self._dense = None
+        keep = self._dense_keep
+        self._dense = self._dense_keep = None
         q_len = keys.shape[2]
         if keep is None:
             keep = np.ones((self._nh, q_len), dtype=bool)
@@ -210,7 +220,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
                 f"{tuple(key_states.shape)}: use a fresh cache for a new batch."
             )
         if self._dense is not None:  # a first forward that never reached the press's post-hook
-            self._write_dense(None)
+            self._write_dense()
         if self.seen == 0 and self.table.n_used == 0:
             self._dense = (key_states, value_states)
         else:
@@ -242,11 +252,11 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         """End of the press's post-hook: pairs of a first forward that no eviction wrote go into the pool now."""
         super().end_forward()
         if self._dense is not None:
-            self._write_dense(None)
+            self._write_dense()
 
     def _reset_transient(self) -> None:
         super()._reset_transient()
-        self._dense, self._freed, self._pending_span = None, [], (0, 0)
+        self._dense, self._dense_keep, self._freed, self._pending_span = None, None, [], (0, 0)
 
     @property
     def reads_own_storage(self) -> bool:
@@ -281,6 +291,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             return
         self._settle()
         self._repack(rows=[b * self._heads + h for b in rows for h in range(self._heads)])
+        self._select_press_state(torch.tensor(rows, dtype=torch.long))
         index = torch.tensor(rows, dtype=torch.long, device=self.n_evicted.device)
         self._bsz = len(rows)
         self.n_evicted = self.n_evicted.index_select(0, index)
@@ -307,7 +318,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         mask : bool Tensor ``(B, H, n)``. Already evicted positions are ignored (counted once).
 
         The eviction is applied on the device without reading ``mask``; the host table learns of it later (see
-        the module docstring). The first eviction of a prefill reads the mask (it decides what is written).
+        the module docstring). The evictions of a prefill read their mask (they decide what is written).
         """
         if mask.dim() != 3 or mask.shape[:2] != (self._bsz, self._heads):
             raise ValueError(
@@ -324,14 +335,16 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             )
         nh, mask = self._nh, mask.to(dtype=torch.bool)
         if self._dense is not None:
-            # The prefill: write only the pairs kept, straight from the dense pairs (all of them are stored).
+            # The prefill: the pairs are written at the end of the forward, only those no eviction took.
             wanted = mask.reshape(nh, n_pos).cpu().numpy()
             q_len = self._dense[0].shape[2]
-            keep = np.ones((nh, q_len), dtype=bool)
+            if self._dense_keep is None:
+                self._dense_keep = np.ones((nh, q_len), dtype=bool)
             first = start - (self.seen - q_len)
-            keep[:, first : first + n_pos] = ~wanted
-            self._count_evicted(torch.from_numpy(wanted.sum(-1)))
-            self._write_dense(keep)
+            span = self._dense_keep[:, first : first + n_pos]
+            newly = span & wanted  # already evicted positions count once
+            span &= ~wanted
+            self._count_evicted(torch.from_numpy(newly.sum(-1)))
             return
         # On the device. The table knows the slot of every position it has not seen evicted; a pair evicted on
         # the device since the last catch-up is skipped there (its slot is no longer live).
@@ -416,6 +429,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             self.keys,
             self.values,
             self._dense,
+            self._dense_keep,
             self._freed,
             self._heads_arange,
         ]

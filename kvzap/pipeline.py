@@ -4,6 +4,10 @@ The context is prefilled once under the press; each question is then answered gr
 compressed context, with true RoPE positions (a question starts at the context's length, whatever was evicted).
 Between questions the cache and the press's per-sequence state are restored to their state right after the
 prefill, so neither a question's tokens nor decoding-time evictions leak into the next answer.
+
+A list of contexts is prefilled ``batch_size`` at a time as one left-padded batch (each row pruned on its own,
+its padding never stored); each row's questions are then answered one at a time on that row of the cache
+(restored, then selected), so the answers are those of one-at-a-time calls.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ class KVPressTextGenerationPipeline(Pipeline):
     Call with ``pipe(context, question=..., press=...)`` (returns ``{"answer": str}``) or
     ``pipe(context, questions=[...], press=...)`` (returns ``{"answers": list[str]}``).
 
+    ``pipe([context, ...], ..., batch_size=N)`` answers several contexts and returns one such dict per context, in
+    order; their contexts are prefilled ``N`` at a time (default 1) as a left-padded batch. ``question=`` (a
+    string) or ``questions=[...]`` (strings) are asked of every context; ``questions=[[...], [...]]`` (one list
+    of strings per context, as many lists as contexts) gives each context its own. ``cache=`` is refused with a
+    list (each batch gets its own cache). The press's statistics afterwards are those of the last answer.
+
     Parameters (call-time)
     ----------------------
     question / questions : one question, or several answered against the same compressed context.
@@ -47,6 +57,112 @@ class KVPressTextGenerationPipeline(Pipeline):
         (keeps the cache near its pruned size during prefill); None (default) prefills densely in one forward,
         the paper's setting.
     """
+
+    def __call__(self, context, *args, batch_size: int | None = None, **kwargs):
+        """One context (a string), or a list of them answered ``batch_size`` at a time (see the class docstring)."""
+        if batch_size is not None:
+            batch_size = as_number("batch_size", batch_size, integer=True)
+            if batch_size < 1:
+                raise ValueError(f"batch_size must be a positive int, got {batch_size!r}.")
+        if not isinstance(context, (list, tuple)):
+            return super().__call__(context, *args, **kwargs)
+        if args:
+            raise TypeError("Pass the pipeline's options by keyword (question=, press=, ...) with a list of contexts.")
+        return self._call_many(list(context), batch_size or 1, kwargs)
+
+    def _call_many(self, contexts: list, batch_size: int, kwargs: dict) -> list[dict]:
+        if not contexts:
+            raise ValueError("The list of contexts is empty: pass at least one context.")
+        wrong = sorted({type(c).__name__ for c in contexts if not isinstance(c, str)})
+        if wrong:
+            raise TypeError(f"contexts must be strings, got {', '.join(wrong)} in the list.")
+        if kwargs.get("cache") is not None:
+            raise ValueError(
+                "cache= cannot be used with a list of contexts (each batch of contexts gets its own cache): "
+                "call the pipeline once per context to fill your own cache."
+            )
+        questions = kwargs.pop("questions", None)
+        per_context: list[dict] = []
+        if isinstance(questions, (list, tuple)) and questions and all(isinstance(q, (list, tuple)) for q in questions):
+            if len(questions) != len(contexts):
+                raise ValueError(
+                    f"questions holds {len(questions)} lists for {len(contexts)} contexts: pass one list of questions "
+                    "per context, or one list of strings asked of every context."
+                )
+            per_context = [{"questions": q} for q in questions]
+        elif questions is not None:
+            if any(isinstance(q, (list, tuple)) for q in questions):
+                raise TypeError(
+                    "questions mixes lists and strings: pass one list of questions per context, or one list of "
+                    "strings asked of every context."
+                )
+            per_context = [{"questions": questions}] * len(contexts)
+        else:
+            per_context = [{}] * len(contexts)
+        calls = []
+        for context, extra in zip(contexts, per_context, strict=True):
+            pre, forward, post = self._sanitize_parameters(**kwargs, **extra)
+            calls.append((self.preprocess(context, **pre), forward, post))
+        results = []
+        for first in range(0, len(calls), batch_size):
+            group = calls[first : first + batch_size]
+            answers = self._forward_batch([inputs for inputs, _, _ in group], **group[0][1])
+            results += [self.postprocess(a, **post) for a, (_, _, post) in zip(answers, group, strict=True)]
+        return results
+
+    def _forward_batch(
+        self,
+        rows: list[dict],
+        press: BasePress | None = None,
+        max_new_tokens: int = 50,
+        cache=None,
+        prefill_chunk_size: int | None = None,
+    ) -> list[list[str]]:
+        """Prefill the rows' contexts as one left-padded batch, then answer each row's questions on its row."""
+        model = self.model
+        lengths = [r["context_ids"].shape[1] for r in rows]
+        width = max(lengths)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, width - lengths[b] :] = r["context_ids"][0]
+            mask[b, width - lengths[b] :] = 1
+        ids, mask = ids.to(model.device), mask.to(model.device)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)  # each row's own positions, as generate derives them
+        cache = _compat.new_dynamic_cache(model)
+        cache_kw = _compat.cache_kwarg_name(model)
+        chunk = prefill_chunk_size or width
+        chunked = chunk < width and press is not None
+        # The first chunk holds all the padding (a row may not start with a chunk of padding only): the padding
+        # is then evicted by that chunk's dense prefill, never stored.
+        pad_max = width - min(lengths)
+        bounds = [0, *range(min(pad_max + chunk, width), width, chunk), width]
+        answers: list[list[str]] = []
+        with press(model) if press is not None else contextlib.nullcontext():
+            with press.prefilling() if chunked else contextlib.nullcontext():
+                for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+                    model(
+                        input_ids=ids[:, start:end],
+                        attention_mask=mask[:, :end],
+                        position_ids=positions[:, start:end],
+                        use_cache=True,
+                        logits_to_keep=1,
+                        **{cache_kw: cache},
+                    )
+            single = len(rows) == 1 and len(rows[0]["question_ids"]) == 1
+            checkpoint = None if single else snapshot_cache(cache)
+            for b, r in enumerate(rows):
+                row_answers = []
+                for question_ids in r["question_ids"]:
+                    if checkpoint is not None:
+                        restore_cache(cache, checkpoint)
+                        if len(rows) > 1:
+                            cache.batch_select_indices(torch.tensor([b], device=model.device))
+                    question_ids = question_ids.to(model.device)
+                    pad = width - lengths[b]
+                    row_answers.append(self._answer(question_ids, cache, cache_kw, lengths[b], max_new_tokens, pad))
+                answers.append(row_answers)
+        return answers
 
     def _sanitize_parameters(
         self,
@@ -165,8 +281,11 @@ class KVPressTextGenerationPipeline(Pipeline):
                 answers.append(self._answer(question_ids.to(model.device), cache, cache_kw, n_context, max_new_tokens))
         return answers
 
-    def _answer(self, question_ids: torch.Tensor, cache, cache_kw: str, start: int, max_new_tokens: int) -> str:
-        """Greedy decoding from ``question_ids`` placed right after ``start`` context tokens."""
+    def _answer(
+        self, question_ids: torch.Tensor, cache, cache_kw: str, start: int, max_new_tokens: int, pad: int = 0
+    ) -> str:
+        """Greedy decoding from ``question_ids`` placed right after ``start`` context tokens, which follow ``pad``
+        padding columns in the cache (a row of a padded batch: a mask hides them when no press evicted them)."""
         model = self.model
         eos = model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
@@ -177,8 +296,18 @@ class KVPressTextGenerationPipeline(Pipeline):
         generated: list[int] = []
         for _ in range(max_new_tokens):
             positions = torch.arange(position, position + ids.shape[1], device=ids.device)[None]
+            masking = {}
+            if pad:
+                mask = torch.ones(1, pad + position + ids.shape[1], dtype=torch.long, device=ids.device)
+                mask[:, :pad] = 0
+                masking["attention_mask"] = mask
             logits = model(
-                input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_kw: cache}
+                input_ids=ids,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **masking,
+                **{cache_kw: cache},
             ).logits
             position += ids.shape[1]
             token = int(logits[0, -1].argmax())

@@ -9,6 +9,7 @@ from transformers import DynamicCache, pipeline
 import kvzap  # noqa: F401  (registers the task)
 from kvzap import DMSThresholdPress, RandomScorer
 from kvzap._compat import cache_kwarg_name
+from kvzap.presses.baseline_scorers import KeyNormScorer
 from tests.conftest import char_tokenizer, tiny_model
 
 CONTEXT = "The secret code is 4921. " + "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 3
@@ -116,3 +117,52 @@ def test_chunked_prefill(pipe):
     assert isinstance(out["answer"], str) and the_press.compression_ratio > 0.2
     with pytest.raises(ValueError, match="prefill_chunk_size"):
         pipe(CONTEXT, question="?", prefill_chunk_size=0)
+
+
+CONTEXTS = [
+    "The cat sat on the mat while the dog slept by the fire, dreaming of bones.",
+    "Paris is the capital of France.",
+    "A long time ago, in a galaxy far away, rebels fought an empire across many stars and moons.",
+]
+
+
+@pytest.mark.parametrize("storage", ["compact", "masked"])
+@pytest.mark.parametrize("decoding", [False, True])
+@pytest.mark.parametrize("batch_size", [2, 3])
+def test_a_list_of_contexts_equals_one_at_a_time_calls(pipe, storage, decoding, batch_size):
+    questions = [["Who slept?", "Where?"], ["What is the capital?"], ["Who fought?", "Where?"]]
+    p = DMSThresholdPress(KeyNormScorer(), threshold=-0.7, sliding_window_size=8, decoding=decoding, storage=storage)
+    batched = pipe(CONTEXTS, questions=questions, press=p, max_new_tokens=6, batch_size=batch_size)
+    alone = [pipe(c, questions=q, press=p, max_new_tokens=6) for c, q in zip(CONTEXTS, questions, strict=True)]
+    assert batched == alone
+    assert any(a for r in alone for a in r["answers"])  # the answers are not all empty
+
+
+def test_a_list_of_contexts_shares_questions_and_runs_without_press(pipe):
+    batched = pipe(CONTEXTS, question="Who?", max_new_tokens=5, batch_size=3)
+    assert batched == [pipe(c, question="Who?", max_new_tokens=5) for c in CONTEXTS]
+    p = DMSThresholdPress(KeyNormScorer(), threshold=-0.7, sliding_window_size=8)  # a per-pair scorer
+    shared = pipe(CONTEXTS, questions=["Who?", "Why?"], press=p, max_new_tokens=4, batch_size=2)
+    assert shared == [pipe(c, questions=["Who?", "Why?"], press=p, max_new_tokens=4) for c in CONTEXTS]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"questions": [["a"], ["b"]]}, ValueError, "2 lists for 3 contexts"),
+        ({"questions": [["a"], "b", ["c"]]}, TypeError, "mixes lists and strings"),
+        ({"batch_size": 0}, ValueError, "batch_size must be a positive int"),
+        ({"batch_size": 1.5}, TypeError, "batch_size must be an int"),
+        ({"cache": DynamicCache()}, ValueError, "cannot be used with a list of contexts"),
+    ],
+)
+def test_bad_list_arguments(pipe, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        pipe(CONTEXTS, **kwargs)
+
+
+def test_a_list_holding_a_non_string_is_refused(pipe):
+    with pytest.raises(TypeError, match="contexts must be strings"):
+        pipe(["a", 3])
+    with pytest.raises(ValueError, match="empty"):
+        pipe([])

@@ -2,10 +2,17 @@
 
 A press is applied with ``with press(model): ...``. Entering validates everything (model, press parameters,
 scorer weights) before touching the model, then switches the model to kvzap's attention function and registers
-one forward pre-hook and one forward hook per attention layer, and pre-hooks on the decoder stack (padded batches
-are refused there; scorers that read the prefill's token ids get them there). Exiting removes them, restores the
-attention implementation and lets the scorers drop their per-sequence state, even when the body raises, so the
-model is left exactly as it was found.
+one forward pre-hook and one forward hook per attention layer, and pre-hooks on the decoder stack (the pad counts
+of a left-padded batch are read there from the 2-D attention mask; scorers that read the prefill's token ids get
+them there).
+
+Padded batches (left padding, as ``generate`` pads decoder-only models): each row's padding columns are evicted
+right after the attention of the forward that appended them, before the press decides anything, so they are never
+attended afterwards, never stored by the compact storage, and never counted in a statistic (they are taken off
+both the evicted and the seen counts of their row). The press's own decisions on padding columns are ignored.
+
+Exiting removes the hooks, restores the attention implementation and lets the scorers drop their per-sequence
+state, even when the body raises, so the model is left exactly as it was found.
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ class Scorer(ABC):
     #: True for scorers that read the token ids of each sequence's prefill (oracles that rerun the context): the
     #: press then calls :meth:`begin_prefill` before the model runs the first forward of every sequence.
     reads_prefill_inputs: ClassVar[bool] = False
+    #: False for scorers whose score of a pair depends on the other rows or on the padding of its row (an oracle
+    #: rerunning the padded context): a left-padded batch is then refused before anything runs.
+    supports_padding: ClassVar[bool] = True
 
     def setup(self, model: PreTrainedModel) -> None:
         """Prepare for ``model`` (load and place weights once). Default: nothing to do."""
@@ -173,6 +183,10 @@ class BasePress(ABC):
     storage: str = field(default="compact", kw_only=True)
     prune_sliding_layers: bool = field(default=False, kw_only=True)
 
+    #: False for presses whose decisions mix the rows' columns (a top-k over the prompt would rank padding):
+    #: left-padded batches are then refused.
+    supports_padding: ClassVar[bool] = True
+
     # Per-call state lives in thread-local storage (see ``_ThreadState``): one press may serve several models
     # from several threads at once, each thread seeing only its own forwards. Shared between threads: the map of
     # attention modules to the thread currently running their forward (a model runs one forward at a time).
@@ -197,7 +211,7 @@ class BasePress(ABC):
         return self._local.calls
 
     @property
-    def _stats(self) -> dict[int, tuple[torch.Tensor, int]]:
+    def _stats(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Statistics of the last forward the calling thread ran under this press, per layer."""
         return self._local.stats
 
@@ -289,9 +303,15 @@ class BasePress(ABC):
         )
 
     def _record(self, layer_idx: int, layer: PrunableLayer) -> None:
-        self._stats[layer_idx] = (layer.n_evicted, layer.seen)
+        """Keep the layer's ``(B, H)`` evicted counts and ``(B,)`` real tokens, padding taken off both."""
+        n_evicted, real = layer.n_evicted, torch.full((layer.n_evicted.shape[0],), float(layer.seen))
+        pads = layer.press_state.get(_PADS)
+        if pads is not None:
+            n_evicted = n_evicted - layer.press_state[_PAD_EVICTED]
+            real = real.to(pads.device) - pads
+        self._stats[layer_idx] = (n_evicted, real)
 
-    def _require_stats(self) -> list[tuple[torch.Tensor, int]]:
+    def _require_stats(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if not self._stats:
             raise RuntimeError(
                 "No compression statistics yet in this thread: run a forward pass (or the pipeline) under "
@@ -304,18 +324,19 @@ class BasePress(ABC):
 
     @property
     def layer_compression_ratios(self) -> torch.Tensor:
-        """``(n_layers,)`` evicted share of the pairs seen, per layer (averaged over batch and KV heads)."""
-        return torch.tensor([float(n.sum()) / (n.numel() * seen) for n, seen in self._require_stats()])
+        """``(n_layers,)`` evicted share of the real pairs seen, per layer (over all rows and KV heads; padding
+        is not counted)."""
+        return torch.tensor([float(n.sum()) / (n.shape[1] * float(real.sum())) for n, real in self._require_stats()])
 
     @property
     def head_compression_ratios(self) -> torch.Tensor:
-        """``(n_layers, kv_heads)`` evicted share per layer and KV head (averaged over the batch)."""
-        return torch.stack([n.float().mean(0).cpu() / seen for n, seen in self._require_stats()])
+        """``(n_layers, kv_heads)`` evicted share of the real pairs per layer and KV head (over all rows)."""
+        return torch.stack([n.float().sum(0).cpu() / float(real.sum()) for n, real in self._require_stats()])
 
     @property
     def sample_compression_ratios(self) -> torch.Tensor:
-        """``(batch,)`` evicted share per sequence of the batch (averaged over layers and KV heads)."""
-        return torch.stack([n.float().mean(1).cpu() / seen for n, seen in self._require_stats()]).mean(0)
+        """``(batch,)`` evicted share of each row's real pairs (averaged over layers and KV heads)."""
+        return torch.stack([n.float().mean(1).cpu() / real.cpu() for n, real in self._require_stats()]).mean(0)
 
     @property
     def compression_ratio(self) -> float:
@@ -360,6 +381,14 @@ class BasePress(ABC):
         new_sequence = layer.seen == 0
         if new_sequence and idx == 0:
             self._stats.clear()
+        if new_sequence:
+            pads = self._local.pads
+            for key in (_PADS, _PAD_MAX, _PAD_EVICTED):
+                layer.press_state.pop(key, None)
+            if pads is not None:
+                layer.press_state[_PADS] = pads[0]
+                layer.press_state[_PAD_MAX] = pads[1]
+                layer.press_state[_PAD_EVICTED] = torch.zeros_like(pads[0])[:, None]
         prefill = new_sequence or self._prefilling
         self.before_layer(module, layer, prefill)
         bind(module, layer)
@@ -402,6 +431,7 @@ class BasePress(ABC):
         layer, prefill = call
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
         try:
+            _evict_padding(layer, hidden_states.shape[1])
             if self.process_layer(module, layer, hidden_states, prefill) is not False:
                 self._record(_compat.layer_index(module), layer)
         finally:
@@ -427,7 +457,20 @@ class BasePress(ABC):
         cache = _compat.cache_from_kwargs(kwargs)
         if cache is not None:  # before the mask: transformers 5.2 gives a static cache a 4-D mask
             _check_cache(cache, keep_sliding=not self.prune_sliding_layers)
-        _check_attention_mask(kwargs.get("attention_mask"))
+        starts = cache is None or cache.get_seq_length() == 0
+        # Only a sequence's first forward says where its padding is (later masks of `generate` append ones), so
+        # decoding steps read nothing from the mask: no host sync per step.
+        pads = _left_padding(kwargs.get("attention_mask"), read=starts)
+        if pads is not None and starts:
+            refusing = [type(s).__name__ for s in self.scorers() if not s.supports_padding and self.scores_needed]
+            if not self.supports_padding:
+                refusing.insert(0, type(self).__name__)
+            if refusing:
+                raise ValueError(
+                    f"{' and '.join(refusing)} cannot prune a padded batch (the attention mask contains zeros): "
+                    "run sequences of equal length together, or one at a time."
+                )
+        self._local.pads = pads
         inputs = kwargs.get("input_ids", args[0] if args else None)
         if inputs is None:
             inputs = kwargs.get("inputs_embeds")
@@ -508,15 +551,17 @@ class BasePress(ABC):
                 scorer.release()
 
 
-def _check_attention_mask(attention_mask: Any) -> None:
-    """Refuse the attention masks of padded batches, whatever their shape.
+def _left_padding(attention_mask: Any, read: bool = True) -> tuple[torch.Tensor, int] | None:
+    """The pad counts of a left-padded batch: ``((B,) long, their max)``, or None without padding (or when
+    ``read`` is False: the mask's type and shape are checked, its values not read).
 
-    A 2-D mask ``(B, n)`` marks padding with zeros. A 4-D mask ``(B, 1, q, kv)`` is a custom pattern (padding,
-    packed sequences) that eviction cannot honour, since evicted pairs are hidden by kvzap's own masks: refused
-    whatever it holds.
+    A 2-D mask ``(B, n)`` marks padding with zeros, which must all come before the row's first one (left padding,
+    as ``generate`` pads decoder-only models). A 4-D mask ``(B, 1, q, kv)`` is a custom pattern (packed
+    sequences, prefix-LM) that eviction cannot honour, since evicted pairs are hidden by kvzap's own masks: it is
+    refused whatever it holds. Reads the mask on the host once per forward.
     """
     if attention_mask is None:
-        return
+        return None
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(
             f"kvzap presses take attention_mask as a tensor (batch, tokens) or None, got "
@@ -526,13 +571,59 @@ def _check_attention_mask(attention_mask: Any) -> None:
         raise ValueError(
             f"kvzap presses take a 2-D attention_mask (batch, tokens) of ones or none at all, got a "
             f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}: custom masks (padding, packed "
-            "sequences) cannot be combined with eviction. Drop the mask and run sequences of equal length together."
+            "sequences) cannot be combined with eviction. Pass the 2-D mask (batch, tokens) of a left-padded "
+            "batch, or none."
         )
-    if _compat.padded_rows(attention_mask):
+    if not read or not _compat.padded_rows(attention_mask):
+        return None
+    ones = attention_mask != 0
+    if bool((ones[:, :-1] & ~ones[:, 1:]).any()):
         raise ValueError(
-            "kvzap presses do not support padded batches (the attention mask contains zeros): "
-            "run sequences of equal length together, or one at a time."
+            "kvzap presses support left-padded batches only (zeros before each row's first token, as `generate` "
+            "pads decoder-only models), but this attention mask has a zero after a one (right padding, or a hole): "
+            "pad on the left (tokenizer.padding_side = 'left')."
         )
+    pads = (~ones).sum(-1)  # (B,) zeros before the first one
+    pad_max = int(pads.max())
+    if pad_max == attention_mask.shape[-1]:
+        raise ValueError(
+            "A row of the attention mask holds only zeros: a sequence without tokens, or a first prefill chunk "
+            "shorter than a row's padding. Drop empty sequences; in a chunked prefill, make the first chunk hold "
+            "all the padding (the pipeline does)."
+        )
+    return pads, pad_max
+
+
+def _evict_padding(layer: PrunableLayer, q_len: int) -> None:
+    """Evict the padding columns among the ``q_len`` pairs the layer's last update appended.
+
+    Called before the press decides anything, so that the compact storage never stores them; the pairs this
+    evicts are added to the layer's ``_PAD_EVICTED`` counts (a sliding-window layer may no longer store some).
+    """
+    state = layer.press_state
+    pad_max = state.get(_PAD_MAX, 0)
+    first = layer.seen - q_len
+    if pad_max <= first:
+        return
+    pads = state[_PADS]
+    n = min(pad_max, layer.seen) - first
+    columns = torch.arange(first, first + n, device=pads.device)
+    mask = (columns[None, :] < pads[:, None])[:, None, :].expand(-1, layer.n_evicted.shape[1], -1)  # (B, H, n)
+    before = layer.n_evicted
+    layer.evict(first, mask)
+    state[_PAD_EVICTED] = state[_PAD_EVICTED] + (layer.n_evicted - before).to(pads.device)
+
+
+def pad_columns(layer: PrunableLayer, first: int, n: int) -> torch.Tensor | None:
+    """``(B, n)`` True where columns ``first .. first + n - 1`` of the layer are padding; None without padding."""
+    pads = layer.press_state.get(_PADS)
+    if pads is None or layer.press_state[_PAD_MAX] <= first:
+        return None
+    return torch.arange(first, first + n, device=pads.device)[None, :] < pads[:, None]
+
+
+# Keys of a layer's press_state that the base press owns (a sequence's padding), whatever press subclass runs.
+_PADS, _PAD_MAX, _PAD_EVICTED = "pads", "pad_max", "pad_evicted"
 
 
 def _check_cache(cache: Any, keep_sliding: bool = False) -> None:
@@ -568,3 +659,5 @@ class _ThreadState(threading.local):
         self.prefilling = False
         self.drafts: int | None = None
         self.next_drafts: int | None = None
+        # Pad counts ((B,) tensor, max) of the decoder forward that starts a sequence, read by its layers.
+        self.pads: tuple[torch.Tensor, int] | None = None

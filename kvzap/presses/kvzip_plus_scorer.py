@@ -56,12 +56,14 @@ class KVzipPlusScorer(Scorer):
       for the score of a later pair raises a ValueError.
     - A chunked prefill (``press.prefilling()``, the pipeline's ``prefill_chunk_size``) is refused when its
       first chunk starts: the oracle needs the whole context in one forward.
-    - Batches work, each row scored by its own extra forward (rows have equal lengths: kvzap refuses padding).
+    - Batches work, each row scored by its own extra forward. Left-padded batches are refused: the repeat
+      prompt of a padded row would hold its padding.
       A prefill given as ``inputs_embeds`` is refused: the repeat prompt is made of token ids.
     """
 
     supports_decoding = False
     reads_prefill_inputs = True
+    supports_padding = False
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None = None, *, chunk_size: int = 64) -> None:
         if tokenizer is not None and not isinstance(tokenizer, PreTrainedTokenizerBase):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from kvzap.cache import PrunableLayer
-from kvzap.presses.base import BasePress, Scorer, as_bool, as_number, check_scores
+from kvzap.presses.base import BasePress, Scorer, as_bool, as_number, check_scores, pad_columns
 
 __all__ = ["DMSThresholdPress"]
 
@@ -204,7 +204,7 @@ class DMSThresholdPress(BasePress):
             # Decoded tokens are scored in batches (one scorer call for up to _DECODE_SCORE_BATCH of them, the
             # fixed cost of a call dominates a single token's); a token's score is needed only when it leaves the
             # window, and a batch is scored before that.
-            scores = self._score(module, unscored, first=start + n_pending)
+            scores = self._score(module, layer, unscored, first=start + n_pending)
             pending = scores if pending is None else torch.cat([pending, scores], dim=-1)  # (B, H, p + q)
             unscored, n_pending = (), pending.shape[-1]
 
@@ -215,8 +215,12 @@ class DMSThresholdPress(BasePress):
         state = layer.press_state
         state["pending"], state["pending_start"], state["unscored"] = pending, start, unscored
 
-    def _score(self, module: nn.Module, unscored: tuple, first: int) -> torch.Tensor:
-        """Scores ``(B, H, q)`` of the buffered new pairs, at absolute positions ``first ..``."""
+    def _score(self, module: nn.Module, layer: PrunableLayer, unscored: tuple, first: int) -> torch.Tensor:
+        """Scores ``(B, H, q)`` of the buffered new pairs, at absolute positions ``first ..``.
+
+        Padding columns (already evicted by the base press) get a score of 0: their hidden states may be NaN (a
+        padding query attends nothing), and their decisions are ignored anyway.
+        """
         if len(unscored) == 1:
             hidden, keys, values = unscored[0]
         else:
@@ -224,4 +228,8 @@ class DMSThresholdPress(BasePress):
             keys = torch.cat([k for _, k, _ in unscored], dim=2)  # (B, H, q, d)
             values = torch.cat([v for _, _, v in unscored], dim=2)
         positions = torch.arange(first, first + hidden.shape[1], device=hidden.device)
-        return check_scores(self.scorer.score(module, hidden, keys, values, positions), self.scorer, module)
+        scores = self.scorer.score(module, hidden, keys, values, positions)
+        pad = pad_columns(layer, first, hidden.shape[1])
+        if pad is not None:
+            scores = scores.masked_fill(pad[:, None, :].to(scores.device), 0.0)
+        return check_scores(scores, self.scorer, module)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ class TopKPress(BasePress):
 
     scorer: Scorer = None  # type: ignore[assignment]
     target_compression: float = 0.0
+
+    # The share is taken of every column of the prompt: a padded row would rank its padding too.
+    supports_padding: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.validate()

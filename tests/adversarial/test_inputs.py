@@ -1,4 +1,5 @@
-"""Inputs: empty, one token, shorter than the window, batches, padded masks of every shape, embeddings."""
+"""Inputs: empty, one token, shorter than the window, batches, padded masks of every shape (left padding served,
+right padding and 4-D masks refused), embeddings."""
 
 from __future__ import annotations
 
@@ -65,23 +66,40 @@ def _masks(batch: int, n: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("kind", sorted(_masks(2, 8)))
+_REFUSED = ("2d_right_padded", "4d_bool_causal", "4d_float_causal")
+_LEFT_PADDED = ("2d_long_padded", "2d_bool_padded", "2d_float_padded")
+
+
+@pytest.mark.parametrize("kind", _REFUSED)
 @pytest.mark.parametrize("embeds", [False, True])
-def test_padded_and_custom_masks_are_refused_before_any_change(model, kind, embeds):
+def test_right_padded_and_custom_masks_are_refused_before_any_change(model, kind, embeds):
     ids = random_ids(2, 8, seed=2)
     mask = _masks(2, 8)[kind]
     cache = DynamicCache(config=model.config)
     inputs = {"inputs_embeds": model.get_input_embeddings()(ids)} if embeds else {"input_ids": ids}
-    match = "padded batches" if kind.startswith("2d") else "2-D attention_mask"
+    match = "left-padded batches only" if kind.startswith("2d") else "2-D attention_mask"
     with refused(model, ValueError, match, cache=cache), pruning_press()(model):
         model(**inputs, attention_mask=mask, **{cache_kwarg_name(model): cache})
 
 
-@pytest.mark.parametrize("kind", sorted(k for k in _masks(2, 8) if k.startswith("2d")))
-def test_generate_with_a_padded_batch_is_refused(model, kind):
+@pytest.mark.parametrize("kind", _LEFT_PADDED)
+@pytest.mark.parametrize("embeds", [False, True])
+@pytest.mark.parametrize("storage", STORAGES)
+def test_left_padded_masks_of_every_dtype_give_each_row_alone(model, kind, embeds, storage):
+    ids = random_ids(2, 8, seed=2)
+    mask = _masks(2, 8)[kind]  # row 0 has 3 padding tokens
+    inputs = {"inputs_embeds": model.get_input_embeddings()(ids).detach()} if embeds else {"input_ids": ids}
+    batch, _ = logits_under(model, pruning_press(storage), **inputs, attention_mask=mask)
+    for row, pad in ((0, 3), (1, 0)):
+        alone_inputs = {name: value[row : row + 1, pad:] for name, value in inputs.items()}
+        alone, _ = logits_under(model, pruning_press(storage), **alone_inputs)
+        torch.testing.assert_close(batch[row, pad:], alone[0], atol=1e-5, rtol=0)
+
+
+def test_generate_with_a_right_padded_batch_is_refused(model):
     ids = random_ids(2, 8, seed=3)
-    with refused(model, ValueError, "padded batches"), pruning_press()(model):
-        model.generate(ids, attention_mask=_masks(2, 8)[kind], max_new_tokens=2, pad_token_id=0)
+    with refused(model, ValueError, "left-padded batches only"), pruning_press()(model):
+        model.generate(ids, attention_mask=_masks(2, 8)["2d_right_padded"], max_new_tokens=2, pad_token_id=0)
 
 
 @pytest.mark.parametrize("storage", STORAGES)

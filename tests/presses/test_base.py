@@ -96,11 +96,11 @@ def test_nested_presses_are_refused_and_the_outer_one_survives(llama):
     assert llama.config._attn_implementation == "sdpa"
 
 
-def test_padded_batches_are_refused(llama):
+def test_right_padded_batches_are_refused(llama):
     ids = random_ids(2, 10)
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    with pytest.raises(ValueError, match="padded"), DMSThresholdPress(RandomScorer(), threshold=0.0)(llama):
+    mask[0, -3:] = 0
+    with pytest.raises(ValueError, match="left-padded"), DMSThresholdPress(RandomScorer(), threshold=0.0)(llama):
         llama(ids, attention_mask=mask)
     with DMSThresholdPress(RandomScorer(), threshold=0.0)(llama):  # an all-ones mask is fine
         llama(ids, attention_mask=torch.ones_like(ids))
