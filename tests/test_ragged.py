@@ -86,8 +86,14 @@ def test_each_row_of_a_padded_batch_equals_the_row_alone(family, storage, decodi
     rows = [random_ids(1, n, seed=i)[0] for i, n in enumerate(LENGTHS)]
     ids, mask = left_padded(rows)
     width = ids.shape[1]
+    # Sliding-window layers pruned too, so that Mistral's and Gemma 3's sliding cache layers are exercised.
     press = DMSThresholdPress(
-        KeyNormScorer(), threshold=THRESHOLD, sliding_window_size=WINDOW, decoding=decoding, storage=storage
+        KeyNormScorer(),
+        threshold=THRESHOLD,
+        sliding_window_size=WINDOW,
+        decoding=decoding,
+        storage=storage,
+        prune_sliding_layers=True,
     )
     gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, output_logits=True, return_dict_in_generate=True)
     gen |= dict(pad_token_id=0, do_sample=sampling, top_k=0, temperature=1.0) if sampling else dict(pad_token_id=0)

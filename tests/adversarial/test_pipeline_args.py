@@ -84,7 +84,8 @@ def test_an_empty_cache_is_filled_and_gives_the_answer_without_one(pipe, model):
 
 @pytest.mark.parametrize("context", [123, None, [1], b"bytes"])
 def test_the_context_must_be_a_string(pipe, model, context):
-    with refused(model, TypeError, "context must be a string"):
+    # A list is a batch of contexts: then each of them must be a string.
+    with refused(model, TypeError, "context must be a string|contexts must be strings"):
         pipe(context, question="?", press=pruning_press())
 
 
