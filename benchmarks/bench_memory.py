@@ -126,11 +126,6 @@ def main(argv: list[str] | None = None) -> None:
                 f"{row['held_after_decode'] / row['full_bytes_decode']:.3f}",
                 flush=True,
             )
-    rss = {}
-    if args.rss_runs:
-        for mode in ("none", "compact"):
-            runs, evicted = peak_rss(args, mode)
-            rss[mode] = {"runs_mb": runs, "median_mb": statistics.median(runs), "evicted_share": evicted}
     setup = meta(
         tool="kvzap",
         device=args.device,
@@ -143,7 +138,13 @@ def main(argv: list[str] | None = None) -> None:
         rss_decode=args.rss_decode,
         rss_full_bytes=full_cache_bytes(model.config, args.rss_prompt + args.rss_decode, dtype=model.dtype),
     )
+    # Written before the peak-RSS processes (minutes each), so that a stopped run keeps the figures above.
     write_results(args.json, setup, results)
+    rss = {}
+    if args.rss_runs:
+        for mode in ("none", "compact"):
+            runs, evicted = peak_rss(args, mode)
+            rss[mode] = {"runs_mb": runs, "median_mb": statistics.median(runs), "evicted_share": evicted}
     if args.json and rss:
         data = json.loads(Path(args.json).read_text())
         data["peak_rss"] = rss
