@@ -153,7 +153,62 @@ def report(directory: Path) -> str:
         ]
         for name, seconds in sec.items():
             lines.append(f"| {name} | {seconds:.2f} | {seconds / base:.2f}x |")
+    lines += _batch_lines(_load(directory, "batch.json"))
     return "\n".join(lines)
+
+
+# The issue's goals for the ragged batch: batched kvzap decode against batched no press and kvzap one at a time.
+BATCH_GOALS = (("batched_none", 1.2, "batched without a press"), ("one_at_a_time", 2.5, "kvzap one prompt at a time"))
+BATCH_WAYS = {
+    "one_at_a_time": "kvzap (compact), one prompt at a time",
+    "batched_none": "one left-padded batch, no press",
+    "batched_kvzap": "one left-padded batch, kvzap (compact)",
+}
+
+
+def _batch_lines(batch: dict | None) -> list[str]:
+    """The "Ragged batches" section from ``bench_batch.py``'s JSON (nothing without it): a table per way, then
+    the goals, each met or not."""
+    if not batch:
+        return []
+    m, rows = batch["meta"], {r["way"]: r for r in batch["results"]}
+    lengths, full, padded = m["lengths"], m["full_kv_bytes"], m["full_kv_bytes_padded"]
+    lines = [
+        "",
+        f"Ragged batches (`bench_batch.py`): {len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens "
+        f"({sum(lengths)} in all, consecutive segments of one text), {m['decode_tokens']} greedy tokens each; "
+        f"`{Path(m['model']).name}`, {m['dtype']}, {m['threads']} threads, threshold {m['threshold']}, window "
+        f"{m['window']}, decoding-time pruning on, median of {m['runs']} runs (the ways alternate inside each run; "
+        f"speedups are medians of each run's ratio). Decode tok/s: every row's decoded tokens over the decode wall "
+        f"time. KV: tensor storages reachable from the cache(s), measured from outside, against the full cache of "
+        f"the prompts' own tokens ({full / MB:.0f} MB after decoding; left padded to the longest: "
+        f"{padded / MB:.0f} MB):",
+        "",
+        "| way | evicted | prefill s | decode tok/s | vs batched no press | vs kvzap one at a time "
+        "| KV after prefill (MB) | KV after decoding (MB, / full) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for way, r in rows.items():
+        ratios = [f"{r[f'decode_vs_{base}']:.2f}x" if f"decode_vs_{base}" in r else "-" for base, _, _ in BATCH_GOALS]
+        lines.append(
+            f"| {BATCH_WAYS.get(way, way)} | {r['evicted_share']:.1%} | {r['prefill_s']:.2f} "
+            f"| {r['decode_tok_s']:.2f} | {ratios[0]} | {ratios[1]} | {r['kv_bytes_after_prefill'] / MB:.0f} "
+            f"| {r['kv_bytes_after_decode'] / MB:.0f} ({r['kv_bytes_after_decode'] / full:.2f}) |"
+        )
+    kvzap = rows.get("batched_kvzap")
+    if kvzap:
+        lines.append("")
+        for base, goal, name in BATCH_GOALS:
+            key = f"decode_vs_{base}"
+            if key in kvzap:
+                verdict = "met" if kvzap[key] >= goal else "not met"
+                lines.append(f"- Batched kvzap decode vs {name}: **{kvzap[key]:.2f}x** (goal >= {goal}x: {verdict}).")
+        if "same_tokens_as_one_at_a_time" in kvzap:
+            lines.append(
+                f"- Rows whose {m['decode_tokens']} greedy tokens equal those of the prompt decoded alone under the "
+                f"same press: {kvzap['same_tokens_as_one_at_a_time']} of {len(lengths)}."
+            )
+    return lines
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ OUT=${OUT:-benchmarks/results}
 THREADS=${THREADS:-2}
 RUNS=${RUNS:-5}  # runs per kvzap mode (medians): this VM's run-to-run noise is a few percent
 KVPRESS_RUNS=${KVPRESS_RUNS:-3}
+BATCH_RUNS=${BATCH_RUNS:-3}  # runs of the ragged-batch benchmark (each about 5 minutes on 2 cores)
 PART=${PART:-all}
 export PYTHONPATH=.
 mkdir -p "$OUT"
@@ -26,6 +27,9 @@ if [ "$PART" != memory ]; then  # speed: decoding, prefill, scorers, the collect
     --modes none compact --json "$OUT/kvzap_no_eviction.json"
 "$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 64 --runs "$KVPRESS_RUNS" \
     --json "$OUT/kvpress.json"
+# Ragged batch: 8 prompts of 1k-4k tokens, 64 decoded tokens each, one at a time vs batched (no press, kvzap)
+"$PY" -m benchmarks.bench_batch "${common[@]}" --threshold="$TAU" --decode 64 --runs "$BATCH_RUNS" \
+    --json "$OUT/batch.json"
 "$PY" -m benchmarks.bench_scorers --model "$MODEL" --threads "$THREADS" --json "$OUT/scorers.json"
 if [ -z "${SKIP_COLLECT:-}" ]; then  # the KVzip+ collection cost (training); SKIP_COLLECT=1 keeps the last figures
     "$PY" -m benchmarks.bench_collect --threads "$THREADS" --runs 3 --json "$OUT/collect.json"
