@@ -62,6 +62,7 @@ def report(directory: Path) -> str:
                 f"{r['none_decode_tok_s']:.2f} tok/s (**{speed:.2f}x**), prefill "
                 f"{r['compact_prefill_s'] / r['none_prefill_s']:.2f}x"
             )
+    lines += _overhead_lines(_load(directory, "overhead.json"), _load(directory, "overhead_prompt_only.json"))
     peaks = {mode: _load(directory, f"peak_{mode}.json") for mode in ("none", "compact", "compact_chunked", "kvpress")}
     if any(peaks.values()):
         rows = {mode: peak["results"][0] for mode, peak in peaks.items() if peak}
@@ -164,6 +165,29 @@ BATCH_WAYS = {
     "batched_none": "one left-padded batch, no press",
     "batched_kvzap": "one left-padded batch, kvzap (compact)",
 }
+
+
+def _overhead_lines(decoding: dict | None, prompt_only: dict | None) -> list[str]:
+    """The fixed cost of a decoding step: a context short enough that reading the cache costs next to nothing."""
+    if not decoding:
+        return []
+    r = decoding["results"][0]
+    none_ms, kvzap_ms = 1e3 / r["none_decode_tok_s"], 1e3 / r["compact_decode_tok_s"]
+    lines = [
+        "",
+        f"Fixed cost of a decoding step ({r['prefill_tokens']}-token context, where reading the cache costs next to "
+        f"nothing; median step of {decoding['meta']['runs']} runs): no press {none_ms:.1f} ms, kvzap (compact, "
+        f"decoding-time pruning) {kvzap_ms:.1f} ms, **+{kvzap_ms - none_ms:.1f} ms** per step",
+    ]
+    if prompt_only:
+        p = prompt_only["results"][0]
+        po_ms = 1e3 / p["compact_decode_tok_s"]
+        lines[-1] += (
+            f"; with the prompt pruned only (no decision per step) {po_ms:.1f} ms: storage and paged attention "
+            f"+{po_ms - 1e3 / p['none_decode_tok_s']:.1f} ms, decisions while decoding +{kvzap_ms - po_ms:.1f} ms"
+        )
+    lines[-1] += "."
+    return lines
 
 
 def _batch_lines(batch: dict | None) -> list[str]:

@@ -25,6 +25,11 @@ if [ "$PART" != memory ]; then  # speed: decoding, prefill, scorers, the collect
     --json "$OUT/kvzap.json"
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 2048 8192 --threshold=-inf --decode 64 --runs "$RUNS" \
     --modes none compact --json "$OUT/kvzap_no_eviction.json"
+# The fixed cost of a decoding step: a context where reading the cache costs next to nothing.
+"$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 256 --threshold="$TAU" --decode 64 --runs "$RUNS" \
+    --modes none compact --json "$OUT/overhead.json"
+"$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 256 --threshold="$TAU" --decode 64 --runs "$RUNS" \
+    --modes none compact --no-decoding --json "$OUT/overhead_prompt_only.json"
 "$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 64 --runs "$KVPRESS_RUNS" \
     --json "$OUT/kvpress.json"
 # Ragged batch: 8 prompts of 1k-4k tokens, 64 decoded tokens each, one at a time vs batched (no press, kvzap)
