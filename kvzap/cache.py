@@ -43,6 +43,7 @@ __all__ = [
     "PrunableLayer",
     "MaskedLayer",
     "MaskedSlidingWindowLayer",
+    "own_window",
     "prunable_layer_like",
     "snapshot_cache",
     "restore_cache",
@@ -529,6 +530,31 @@ class MaskedSlidingWindowLayer(_MaskedStorage, DynamicSlidingWindowLayer):
     def __init__(self, sliding_window: int, **kwargs):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self._init_masked()
+
+    def end_forward(self) -> None:
+        super().end_forward()
+        own_window(self)
+
+
+def own_window(layer: DynamicSlidingWindowLayer) -> None:
+    """Give a sliding-window layer's stored window storage of its own once a forward appended several tokens.
+
+    transformers' ``DynamicSlidingWindowLayer.update`` stores a slice of the concatenation of its window and the
+    new tokens, so after a prefill of ``T`` tokens the layer keeps all ``T`` pairs alive until its next update
+    (every 5.x release we support). Cloning the window (and a masked layer's ``keep`` mask, sliced the same way)
+    bounds the layer by its window as soon as the forward ends, with the same values, so logits do not change.
+    A decoding step leaves one slid-out pair behind, as transformers does: copying the window on every step to
+    free it would cost more than it frees.
+    """
+    for name in ("keys", "values", "keep"):
+        value = getattr(layer, name, None)
+        if not isinstance(value, torch.Tensor) or value.numel() == 0:
+            continue
+        own = value.numel() * value.element_size()
+        one_token = own // value.shape[-2] if value.dim() == 4 else own // value.shape[-1]
+        if value.untyped_storage().nbytes() > own + one_token:
+            # Replaced, never written in place: a snapshot sharing the old tensor keeps it.
+            setattr(layer, name, value.clone(memory_format=torch.contiguous_format))
 
 
 def prunable_layer_like(layer: Any) -> PrunableLayer:

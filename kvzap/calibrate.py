@@ -93,8 +93,8 @@ def collect_scores(
         if not recorder.scores:
             raise ValueError(
                 f"Nothing to calibrate: {describe(model)}, and a press leaves sliding-window layers alone by "
-                "default (their memory is bounded already). Pass prune_sliding_layers=True to calibrate (and "
-                "press) them too."
+                "default (their memory is bounded already). Pass prune_sliding_layers=True (`kvzap calibrate "
+                "--prune-sliding-layers`) to calibrate them, for a press built with prune_sliding_layers=True."
             )
         result.append([recorder.scores[i] for i in sorted(recorder.scores)])
     return result

@@ -120,14 +120,34 @@ def _calibrate(args: argparse.Namespace) -> int:
         scorer = FastKVzipScorer(surrogate=args.surrogate)
     else:
         scorer = KVzapScorer(model_type=args.model_type, surrogate=args.surrogate)
-    scores = collect_scores(model, tokenizer, scorer, texts, max_tokens=args.max_tokens)
+    scores = collect_scores(
+        model, tokenizer, scorer, texts, max_tokens=args.max_tokens, prune_sliding_layers=args.prune_sliding_layers
+    )
     print(f"Model: {model.config._name_or_path}   surrogate: {scorer.source}   window: {args.window}")
+    print(f"Layers calibrated: {_calibrated_layers(model, args.prune_sliding_layers)}")
     print(f"{'target':>8} {'threshold':>10} {'reached':>8}")
     for target in args.target:
         tau = calibrate(model, tokenizer, scorer, texts, target, sliding_window_size=args.window, scores=scores)
         reached = float(compression_curve(scores, [tau], args.window)[0])
         print(f"{target:>8.2f} {tau:>10.3f} {reached:>8.3f}")
     return 0
+
+
+def _calibrated_layers(model, prune_sliding_layers: bool) -> str:
+    """Which layers the thresholds are for, and the press option that prunes the same ones."""
+    from kvzap.layers import prunable_layers, sliding_layers
+
+    n_layers, sliding = model.config.num_hidden_layers, sliding_layers(model)
+    layers = prunable_layers(model, prune_sliding_layers)
+    if not sliding:
+        return f"all {n_layers} (no sliding-window layer)"
+    named = f"sliding-window layer{'s' if len(sliding) > 1 else ''} {list(sliding)}"
+    if prune_sliding_layers:
+        return f"all {n_layers}, {named} included: use them with DMSThresholdPress(..., prune_sliding_layers=True)"
+    return (
+        f"{len(layers)} of {n_layers}, {named} left alone as a press does by default (--prune-sliding-layers "
+        "counts them, for a press built with prune_sliding_layers=True)"
+    )
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -222,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--window", type=_non_negative_int, default=128, help="sliding window size")
     cal.add_argument("--texts", nargs="*", help="text files (default: Python documentation text)")
     cal.add_argument("--max-tokens", type=_positive_int, default=2048, help="tokens per text")
+    cal.add_argument(
+        "--prune-sliding-layers",
+        action="store_true",
+        help="also calibrate the sliding-window layers (Gemma 3 local layers, Mistral), for a press built with "
+        "prune_sliding_layers=True; by default they are left out, as a press leaves them alone",
+    )
     cal.set_defaults(func=_calibrate)
 
     info = sub.add_parser("info", help="versions and bundled surrogates")

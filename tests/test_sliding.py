@@ -119,8 +119,6 @@ def test_freed_share_walks_the_cache_as_the_outside_measure_does(storage, prune_
     )
     with press(gemma):
         cache = gemma(ids, use_cache=True).past_key_values
-        # Right after the prefill, transformers' sliding layer keeps a view of the whole prompt's keys alive:
-        # both walks count that storage whole.
         assert cache_bytes(cache) == reachable_bytes(cache).total
         gemma(ids[:, :1], past_key_values=cache, use_cache=True)
     assert cache_bytes(cache) == reachable_bytes(cache).total
@@ -133,3 +131,50 @@ def test_freed_share_walks_the_cache_as_the_outside_measure_does(storage, prune_
         assert 0.45 < share < 0.6
     with pytest.raises(ValueError, match="no key or value"):
         freed_share(DynamicCache())
+
+
+@pytest.mark.parametrize(
+    "family, prune_sliding, storage",
+    [("gemma3_text", False, "compact"), ("gemma3_text", True, "compact"), ("gemma3_text", True, "masked"),
+     ("mistral", False, "masked")],
+)  # fmt: skip
+def test_sliding_layers_hold_only_their_window_after_the_prefill(family, prune_sliding, storage):
+    from benchmarks.outside import reachable_bytes
+
+    model = tiny_model(family)
+    ids = random_ids(2, 300)  # far longer than the models' 24-token window
+    sliding = sliding_layers(model)
+    window = model.config.sliding_window
+    pair_bytes = 2 * 2 * 2 * 16 * 4  # keys and values of one position: 2 rows x 2 KV heads x head_dim 16, float32
+
+    # Without a press, transformers' sliding layer stores a slice of the whole prompt's keys and values until its
+    # next update: the prompt's 300 positions stay alive.
+    reference = model(ids, use_cache=True)
+    assert all(reachable_bytes(reference.past_key_values.layers[i]).total >= 300 * pair_bytes for i in sliding)
+
+    press = DMSThresholdPress(
+        KeyNormScorer(),
+        threshold=float("-inf"),  # evicts nothing: the logits must stay those of the full cache
+        sliding_window_size=8,
+        storage=storage,
+        prune_sliding_layers=prune_sliding,
+    )
+    logits, reference_logits = [], [reference.logits]
+    with press(model):
+        out = model(ids, use_cache=True)
+        cache = out.past_key_values
+        for i in sliding:
+            # Keys, values, keep mask and press state together: at most the window's keys and values.
+            assert reachable_bytes(cache.layers[i]).total <= window * pair_bytes
+            assert cache.layers[i].keys.untyped_storage().nbytes() == (window - 1) * pair_bytes // 2
+        logits.append(out.logits)
+        token = ids[:, -1:]
+        for _ in range(3):  # decoding reads the window's own copy
+            logits.append(model(token, past_key_values=cache, use_cache=True).logits)
+            token = logits[-1][:, -1:].argmax(-1)
+    reference_cache, token = reference.past_key_values, ids[:, -1:]
+    for _ in range(3):
+        reference_logits.append(model(token, past_key_values=reference_cache, use_cache=True).logits)
+        token = reference_logits[-1][:, -1:].argmax(-1)
+    for got, expected in zip(logits, reference_logits, strict=True):
+        torch.testing.assert_close(got, expected)

@@ -87,6 +87,12 @@ def _add_collect_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--with-kvzip", action="store_true", help="Also store plain KVzip targets (y_kvzip) for Fast KVzip gates."
     )
+    group.add_argument(
+        "--prune-sliding-layers",
+        action="store_true",
+        help="Also collect the sliding-window layers (Gemma 3 local layers, Mistral), for surrogates serving presses "
+        "built with prune_sliding_layers=True. By default they are left out, as presses leave them alone.",
+    )
 
 
 def _add_fit_args(parser: argparse.ArgumentParser) -> None:
@@ -254,6 +260,7 @@ def run_collect(args: argparse.Namespace, out: Path) -> None:
             feature_dtype=_DTYPES[args.feature_dtype],
             chunk_size=args.chunk_size,
             with_kvzip=args.with_kvzip,
+            prune_sliding_layers=args.prune_sliding_layers,
             accelerator=state if state.num_processes > 1 else None,
             extra_settings={
                 "data": str(args.data),

@@ -190,7 +190,8 @@ def collect(
     if not layers:
         raise ValueError(
             f"Nothing to collect: {describe(model)}, and presses leave sliding-window layers alone by default. "
-            "Pass prune_sliding_layers=True to collect (and later prune) them."
+            "Pass prune_sliding_layers=True (`kvzap train collect --prune-sliding-layers`) to collect them, for "
+            "presses built with prune_sliding_layers=True."
         )
     settings = {
         "model": str(getattr(config, "_name_or_path", "")),

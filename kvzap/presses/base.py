@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 
 from kvzap import _compat
 from kvzap.attention import ATTENTION_NAME, bind, ensure_registered, unbind
-from kvzap.cache import PrunableLayer, prunable_layer_like
+from kvzap.cache import PrunableLayer, own_window, prunable_layer_like
 from kvzap.compact import compact_layer_like
 from kvzap.layers import is_sliding_module
 
@@ -427,6 +427,12 @@ class BasePress(ABC):
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         call = self._calls.pop(module, None)
         if call is None:
+            # A layer left alone keeps transformers' own storage, which holds the whole prompt after a prefill
+            # (a slice of it is the window): give the window its own storage, so that the layer is bounded by it.
+            layers = getattr(_compat.cache_from_kwargs(kwargs), "layers", ())
+            idx = _compat.layer_index(module)
+            if idx < len(layers) and self._leaves_alone(module, layers[idx]):
+                own_window(layers[idx])
             return None
         layer, prefill = call
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)

@@ -92,3 +92,51 @@ def test_checkpoints_without_the_field_load_as_published(tmp_path):
         (tmp_path / "p" / "config.json").write_text(json.dumps({**config, "prunable_layers": bad}))
         with pytest.raises(ValueError, match="prunable_layers"):
             KVzapSurrogate.from_pretrained(tmp_path / "p")
+
+
+def test_collect_command_takes_the_option_and_the_press_with_it_agrees(tmp_path, capsys):
+    """``python -m train collect`` / ``kvzap train collect`` (same parser) and ``all`` with and without
+    ``--prune-sliding-layers``: the surrogates fitted serve a press built with the same option."""
+    import random
+
+    from train.__main__ import build_parser, main
+
+    for command in ("collect", "all"):
+        assert build_parser().parse_args([command, "--prune-sliding-layers"]).prune_sliding_layers
+        assert not build_parser().parse_args([command]).prune_sliding_layers
+
+    gemma = tiny_model("gemma3_text")
+    gemma.save_pretrained(tmp_path / "gemma")
+    char_tokenizer().save_pretrained(tmp_path / "gemma")
+    rng = random.Random(0)
+    with (tmp_path / "data.jsonl").open("w") as f:
+        for i in range(4):
+            text = " ".join(rng.choice(["red", "green", "blue"]) for _ in range(20))
+            f.write(json.dumps({"text": text, "subset": f"s{i % 2}"}) + "\n")
+    data = ["--model", str(tmp_path / "gemma"), "--data", str(tmp_path / "data.jsonl"), "--train-per-subset", "2"]
+    data += ["--test-per-subset", "0", "--min-tokens", "30", "--max-tokens", "60", "--n-tokens", "8"]
+    data += ["--splits", "train"]
+    ids = random_ids(1, 60)
+    for flags, layers in (([], [1]), (["--prune-sliding-layers"], None)):
+        out = tmp_path / ("all" if flags else "default")
+        assert main(["--threads", "1", "collect", "--out", str(out / "collect"), *data, *flags]) == 0
+        settings = json.loads((out / "collect" / "train" / "settings.json").read_text())
+        assert settings.get("layers") == layers  # absent: every layer
+        assert main(["fit", "--collection", str(out / "collect"), "--out", str(out / "s"), "--types", "linear"]) == 0
+        surrogate = KVzapSurrogate.from_pretrained(out / "s" / "linear")
+        scorer = KVzapScorer("linear", surrogate)
+        press = DMSThresholdPress(scorer, threshold=1e9, sliding_window_size=4, prune_sliding_layers=bool(flags))
+        with press(gemma):
+            gemma(ids, use_cache=True)
+        assert press.layer_compression_ratios.shape == ((2,) if flags else (1,))
+    capsys.readouterr()
+
+    # Resuming a collection with the other option is refused: its targets cover other layers.
+    with pytest.raises(ValueError, match="layers"):
+        main(["collect", "--out", str(tmp_path / "default" / "collect"), *data, "--prune-sliding-layers"])
+    # A model of sliding layers only needs the option, and the error names the flag.
+    tiny_model("mistral").save_pretrained(tmp_path / "mistral")
+    char_tokenizer().save_pretrained(tmp_path / "mistral")
+    data[1] = str(tmp_path / "mistral")
+    with pytest.raises(ValueError, match="--prune-sliding-layers"):
+        main(["collect", "--out", str(tmp_path / "mistral-collect"), *data])
