@@ -1,14 +1,17 @@
 """Accuracy-vs-compression plot and markdown table from a directory of finished runs.
 
 Reads every ``metrics.json`` below a results directory (as written by :mod:`evaluation.runner`) and writes
-``accuracy_vs_compression.png`` (one panel per model, dataset and length, one line per press, the full cache as a
-dashed line) and ``summary.md`` (one row per run, one column per task). Datasets without a target length
-(LongBench, AIME25) have ``length`` None.
+``accuracy_vs_compression.png`` (one panel per model, dataset and length, one line per press with 95% error bars,
+the full cache as a dashed line inside its shaded interval), ``summary.md`` (one row per run, one column per task,
+every score with its 95% interval, and where each press leaves the full cache's interval) and ``summary.csv`` (the
+same numbers, one column per bound). Runs written before intervals were recorded get them from their
+``predictions.csv``. Datasets without a target length (LongBench, AIME25) have ``length`` None.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import logging
 import os
@@ -16,9 +19,20 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from .intervals import run_intervals
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["collect_results", "summary_table", "plot_results", "summarize", "main"]
+__all__ = [
+    "collect_results",
+    "summary_table",
+    "summary_rows",
+    "compare_to_full_cache",
+    "highest_compression_inside",
+    "plot_results",
+    "summarize",
+    "main",
+]
 
 
 def collect_results(results_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -35,9 +49,24 @@ def collect_results(results_dir: str | os.PathLike) -> list[dict[str, Any]]:
     results = []
     for path in sorted(root.rglob("metrics.json")):
         metrics = json.loads(path.read_text(encoding="utf-8"))
-        results.append({**metrics, "run_dir": str(path.parent)})
+        results.append(_with_intervals({**metrics, "run_dir": str(path.parent)}))
     results.sort(key=lambda r: (*_panel(r), r["press"], r["compression_ratio"]))
     return results
+
+
+def _with_intervals(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with its intervals: those of its ``metrics.json``, else computed from its ``predictions.csv``
+    (runs finished before intervals were recorded), else none (``score_ci`` None)."""
+    if result.get("score_ci") is not None:
+        return result
+    predictions = Path(result["run_dir"]) / "predictions.csv"
+    if not predictions.is_file():
+        return {**result, "score_ci": None, "tasks_ci": {}}
+    by_task: dict[str, list[float]] = defaultdict(list)
+    with predictions.open(newline="", encoding="utf-8") as handle:
+        for row in csv.DictReader(handle):
+            by_task[row["task"]].append(float(row["score"]))
+    return {**result, **run_intervals({t: by_task[t] for t in result["tasks"] if t in by_task})}
 
 
 def _panel(result: dict[str, Any]) -> tuple[str, str, int]:
@@ -62,12 +91,103 @@ def _value_label(result: dict[str, Any]) -> str:
     return f"{short}={result['value']:g}"
 
 
-def summary_table(results: list[dict[str, Any]]) -> str:
-    """A markdown table: model, length, press, parameter, compression ratio, mean score and one column per task."""
+def _with_ci(value: float, interval: list[float] | None, digits: int) -> str:
+    """``"54.0 [41.2, 66.3]"``, or the value alone without an interval."""
+    if not interval:
+        return f"{value:.{digits}f}"
+    return f"{value:.{digits}f} [{interval[0]:.1f}, {interval[1]:.1f}]"
+
+
+def compare_to_full_cache(result: dict[str, Any], full: dict[str, Any] | None) -> str:
+    """Where a run's score lies against the full cache's run of its panel.
+
+    Returns
+    -------
+    ``"inside"`` (the score is inside the full cache's 95% interval), ``"below"``/``"above"`` followed by
+    ``", intervals overlap"`` or ``", intervals disjoint"`` (a difference larger than both intervals), or ``""``
+    for the full cache itself and for panels without a full-cache run or intervals.
+    """
+    if full is None or result is full or result["press"] == "no_press":
+        return ""
+    full_ci, own_ci = full.get("score_ci"), result.get("score_ci")
+    if not full_ci or not own_ci:
+        return ""
+    if full_ci[0] <= result["score"] <= full_ci[1]:
+        return "inside"
+    side = "below" if result["score"] < full_ci[0] else "above"
+    disjoint = own_ci[1] < full_ci[0] or own_ci[0] > full_ci[1]
+    return f"{side}, intervals {'disjoint' if disjoint else 'overlap'}"
+
+
+def _full_cache_runs(results: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    return {_panel(r): r for r in results if r["press"] == "no_press"}
+
+
+def highest_compression_inside(results: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """Per panel and press, the highest compression up to which the press stays inside the full cache's interval.
+
+    A press *stays inside* up to its run of highest compression ratio such that every run of that press at that
+    compression or below has its score inside the full cache's 95% interval.
+
+    Returns
+    -------
+    dict panel -> {press: the run (a result dict), or None when its lowest-compression run is already outside};
+    panels without a full-cache run (or without intervals) are left out.
+    """
+    full = _full_cache_runs(results)
+    found: dict[tuple[str, str, int], dict[str, Any]] = defaultdict(dict)
+    by_press: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in results:
+        if r["press"] != "no_press" and _panel(r) in full and full[_panel(r)].get("score_ci"):
+            by_press[(_panel(r), r["press"])].append(r)
+    for (panel, press), runs in sorted(by_press.items()):
+        best = None
+        for r in sorted(runs, key=lambda r: r["compression_ratio"]):
+            if compare_to_full_cache(r, full[panel]) != "inside":
+                break
+            best = r
+        found[panel][press] = best
+    return dict(found)
+
+
+def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One flat record per run (the rows of ``summary.csv``): its settings, compression, score, each task's score,
+    every 95% interval as ``<name>_low`` / ``<name>_high`` (empty without one) and the comparison with the full
+    cache (:func:`compare_to_full_cache`)."""
     tasks = sorted({task for r in results for task in r["tasks"]})
-    header = ["model", "dataset", "length", "press", "parameter", "compression", "score", *tasks]
+    full = _full_cache_runs(results)
+    rows = []
+    for r in results:
+        row: dict[str, Any] = {
+            "model": r.get("model", ""),
+            "dataset": _panel(r)[1],
+            "length": r.get("length"),
+            "press": r["press"],
+            "knob": r.get("knob"),
+            "value": r.get("value"),
+            "compression_ratio": r["compression_ratio"],
+            "n_predictions": r.get("n_predictions"),
+        }
+        intervals = {"score": r.get("score_ci"), **{t: (r.get("tasks_ci") or {}).get(t) for t in tasks}}
+        values = {"score": r["score"], **{t: r["tasks"].get(t) for t in tasks}}
+        for name, value in values.items():
+            row[name] = value
+            row[f"{name}_low"], row[f"{name}_high"] = intervals[name] or (None, None)
+        row["vs_full_cache"] = compare_to_full_cache(r, full.get(_panel(r)))
+        rows.append(row)
+    return rows
+
+
+def summary_table(results: list[dict[str, Any]]) -> str:
+    """A markdown table: model, length, press, parameter, compression ratio, mean score and one column per task,
+    each score with its 95% interval (``54.0 [41.2, 66.3]``), and where the score lies against the full cache's
+    interval; then, per panel, the highest compression each press reaches inside that interval."""
+    tasks = sorted({task for r in results for task in r["tasks"]})
+    full = _full_cache_runs(results)
+    header = ["model", "dataset", "length", "press", "parameter", "compression", "score", "vs full cache", *tasks]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
+        task_ci = r.get("tasks_ci") or {}
         cells = [
             str(r.get("model", "")),
             _panel(r)[1],
@@ -75,11 +195,29 @@ def summary_table(results: list[dict[str, Any]]) -> str:
             r["press"],
             _value_label(r),
             f"{r['compression_ratio']:.3f}",
-            f"{r['score']:.2f}",
-            *(f"{r['tasks'][t]:.1f}" if t in r["tasks"] else "" for t in tasks),
+            _with_ci(r["score"], r.get("score_ci"), 2),
+            compare_to_full_cache(r, full.get(_panel(r))),
+            *(_with_ci(r["tasks"][t], task_ci.get(t), 1) if t in r["tasks"] else "" for t in tasks),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    inside = highest_compression_inside(results)
+    if inside:
+        lines += ["", "Highest compression at which each press stays inside the full cache's 95% interval:", ""]
+        for panel, presses in sorted(inside.items()):
+            reached = ", ".join(
+                f"{press} {r['compression_ratio']:.3f} ({_value_label(r)})" if r is not None else f"{press} none"
+                for press, r in sorted(presses.items())
+            )
+            lines.append(f"- {_panel_title(panel)}: {reached}")
     return "\n".join(lines) + "\n"
+
+
+def _write_csv(results: list[dict[str, Any]], path: Path) -> None:
+    rows = summary_rows(results)
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def plot_results(results: list[dict[str, Any]], path: str | os.PathLike) -> Path:
@@ -110,21 +248,33 @@ def plot_results(results: list[dict[str, Any]], path: str | os.PathLike) -> Path
         for press, runs in sorted(by_press.items()):
             runs = sorted(runs, key=lambda r: r["compression_ratio"])
             if press == "no_press":
-                ax.axhline(runs[0]["score"], color="black", linestyle="--", linewidth=1, label="full cache")
+                full = runs[0]
+                ax.axhline(full["score"], color="black", linestyle="--", linewidth=1, label="full cache")
+                if full.get("score_ci"):
+                    ax.axhspan(*full["score_ci"], color="black", alpha=0.08, linewidth=0)
                 continue
-            ax.plot(
+            scores = [r["score"] for r in runs]
+            # Asymmetric error bars: the distance from the score to each bound of its interval.
+            errors = [
+                [r["score"] - r["score_ci"][0] if r.get("score_ci") else 0.0 for r in runs],
+                [r["score_ci"][1] - r["score"] if r.get("score_ci") else 0.0 for r in runs],
+            ]
+            ax.errorbar(
                 [r["compression_ratio"] for r in runs],
-                [r["score"] for r in runs],
+                scores,
+                yerr=errors,
                 marker="o",
+                capsize=3,
                 label=press,
                 color=colors[press],
             )
         ax.set_title(_panel_title(key))
         ax.set_xlabel("compression ratio (share of KV pairs evicted)")
-        ax.set_ylabel("score (%)")
+        ax.set_ylabel("score (%, 95% interval)")
         ax.set_xlim(-0.02, 1.0)
-        scores = [r["score"] for r in panels[key]]
-        ax.set_ylim(max(0.0, min(scores) - 5), min(100.0, max(scores) + 5) + 1)  # keep close results readable
+        lows = [r["score_ci"][0] if r.get("score_ci") else r["score"] for r in panels[key]]
+        highs = [r["score_ci"][1] if r.get("score_ci") else r["score"] for r in panels[key]]
+        ax.set_ylim(max(0.0, min(lows) - 5), min(100.0, max(highs) + 5) + 1)  # keep close results readable
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
@@ -136,7 +286,7 @@ def plot_results(results: list[dict[str, Any]], path: str | os.PathLike) -> Path
 
 
 def summarize(results_dir: str | os.PathLike, output_dir: str | os.PathLike | None = None) -> dict[str, Path]:
-    """Write ``accuracy_vs_compression.png`` and ``summary.md`` for the runs below ``results_dir``.
+    """Write ``accuracy_vs_compression.png``, ``summary.md`` and ``summary.csv`` for the runs below ``results_dir``.
 
     Parameters
     ----------
@@ -145,7 +295,7 @@ def summarize(results_dir: str | os.PathLike, output_dir: str | os.PathLike | No
 
     Returns
     -------
-    dict with the paths written, keys ``"plot"`` and ``"table"``.
+    dict with the paths written, keys ``"plot"``, ``"table"`` and ``"csv"``.
     """
     results = collect_results(results_dir)
     if not results:
@@ -154,9 +304,10 @@ def summarize(results_dir: str | os.PathLike, output_dir: str | os.PathLike | No
     out.mkdir(parents=True, exist_ok=True)
     table = out / "summary.md"
     table.write_text(summary_table(results), encoding="utf-8")
+    _write_csv(results, out / "summary.csv")
     plot = plot_results(results, out / "accuracy_vs_compression.png")
-    logger.info("Wrote %s and %s", plot, table)
-    return {"plot": plot, "table": table}
+    logger.info("Wrote %s, %s and %s", plot, table, out / "summary.csv")
+    return {"plot": plot, "table": table, "csv": out / "summary.csv"}
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m evaluation plot") -> int:
@@ -173,5 +324,5 @@ def main(argv: list[str] | None = None, prog: str = "python -m evaluation plot")
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(paths["table"].read_text(encoding="utf-8"), end="")
-    print(f"Wrote {paths['plot']} and {paths['table']}")
+    print(f"Wrote {paths['plot']}, {paths['table']} and {paths['csv']}")
     return 0

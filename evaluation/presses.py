@@ -47,6 +47,8 @@ class PressFactory:
     surrogate_type : the learned weights the press reads (``"mlp"``, ``"linear"``, ``"fastkvzip"``), also the
         sub-directory it reads from a directory holding several (the ``kvzap train fit`` output); None for
         presses without learned weights. A run of such a press records its surrogate in its run key.
+    batchable : False when running samples together changes a row's decisions (the random scorer draws the
+        scores of a whole batch from one generator), so the evaluation refuses ``batch_size > 1`` for it.
     """
 
     name: str
@@ -54,6 +56,7 @@ class PressFactory:
     build: Callable[..., BasePress | None] | None
     description: str
     surrogate_type: str | None = None
+    batchable: bool = True
 
     @property
     def available(self) -> bool:
@@ -106,7 +109,13 @@ PRESSES: dict[str, PressFactory] = {
             "KVzap-Linear surrogate, DMS threshold with sliding window",
             "linear",
         ),
-        PressFactory("random", "compression_ratio", _topk(lambda seed: RandomScorer(seed)), "random scores, top-k"),
+        PressFactory(
+            "random",
+            "compression_ratio",
+            _topk(lambda seed: RandomScorer(seed)),
+            "random scores, top-k",
+            batchable=False,
+        ),
         PressFactory("key_norm", "compression_ratio", _topk(lambda seed: KeyNormScorer()), "minus key norm, top-k"),
         PressFactory(
             "recency", "compression_ratio", _topk(lambda seed: RecencyScorer()), "keep the most recent, top-k"

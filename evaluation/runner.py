@@ -2,9 +2,13 @@
 
 A *run* is one (dataset, press, threshold or compression ratio, target length for the datasets that have one).
 Its directory, named from those values and a short hash of everything else that changes the results, holds
-``predictions.csv``, ``metrics.json`` and ``config.json``; a run whose ``metrics.json`` exists is skipped, so an
-interrupted sweep resumes where it stopped. The datasets (the offline RULER-style generator, RULER and LongBench
-from the Hub or local files, AIME 2025) are described in :mod:`evaluation.benchmarks`.
+``predictions.csv``, ``metrics.json`` (scores with their 95% confidence intervals, :mod:`evaluation.intervals`)
+and ``config.json``; a run whose ``metrics.json`` exists is skipped, and an unfinished run keeps its finished
+samples in ``predictions.partial.jsonl``, so an interrupted sweep resumes where it stopped, inside a run too.
+``batch_size`` contexts are prefilled together as one left-padded batch (:func:`plan_batches`), as the pipeline's
+list of contexts does. The datasets (the
+offline RULER-style generator, RULER and LongBench from the Hub or local files, AIME 2025) are described in
+:mod:`evaluation.benchmarks`.
 """
 
 from __future__ import annotations
@@ -28,11 +32,21 @@ from tqdm.auto import tqdm
 
 from . import aime, longbench, ruler
 from .benchmarks import BENCHMARKS, DEFAULT_DATASET, Benchmark, LoadRequest, check_local_path
+from .intervals import run_intervals
 from .presses import PRESSES, make_press
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EvalConfig", "RunSpec", "load_config", "plan_runs", "run_evaluation", "build_parser", "main"]
+__all__ = [
+    "EvalConfig",
+    "RunSpec",
+    "load_config",
+    "plan_runs",
+    "plan_batches",
+    "run_evaluation",
+    "build_parser",
+    "main",
+]
 
 
 #: Samples per task and length of the offline generator when ``n_samples`` is not set.
@@ -81,6 +95,11 @@ class EvalConfig:
     haystack_file : text file for the real-text haystack of ``ruler_offline`` (None: the Python reference).
     device : device to run on (None: the model's, or CPU for a loaded model).
     dtype : ``"float32"``, ``"bfloat16"`` or ``"float16"`` for a model loaded by the runner.
+    batch_size : contexts prefilled together, as one left-padded batch of the pipeline (greedy datasets; the
+        answers are those of batch 1). Samples are sorted by context length (and grouped by token budget, which
+        a batch shares) so that padding stays small; presses that cannot prune a padded batch (top-k, the KVzip+
+        oracle) and chunked prefills batch contexts of equal length only. Not part of a run's identity: a sweep
+        may resume with another batch size.
     """
 
     model: str | None = None
@@ -111,6 +130,7 @@ class EvalConfig:
     haystack_file: str | None = None
     device: str | None = None
     dtype: str = "float32"
+    batch_size: int = 1
 
     # --- resolved values -----------------------------------------------------------------------------------------
     @property
@@ -241,6 +261,34 @@ class EvalConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}.")
+        self._validate_batching()
+
+    def _validate_batching(self) -> None:
+        """Refuse batch sizes below 1, and batches whose answers or statistics would differ from batch 1."""
+        size = self.batch_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {size!r}.")
+        if size == 1:
+            return
+        fix = "use batch_size 1 (--batch-size 1)"
+        if self.benchmark.sampled:
+            raise ValueError(
+                f"{self.dataset!r} samples each answer with model.generate from a generator seeded per problem, "
+                f"which a batch would share, so batch_size {size} cannot give the answers of batch 1: {fix}."
+            )
+        unbatchable = [name for name in self.presses if not PRESSES[name].batchable]
+        if unbatchable:
+            raise ValueError(
+                f"The press(es) {', '.join(unbatchable)} decide differently in a batch (a random scorer draws the "
+                f"whole batch's scores from one generator): {fix} for them, in a sweep of their own."
+            )
+        decoding = [name for name in self.presses if self.decoding_for(PRESSES[name].knob)]
+        if decoding:
+            raise ValueError(
+                f"decoding=True prunes while answering, and the pipeline keeps the statistics of the last row of a "
+                f"batch only, so the per-sample compression ratios of {', '.join(decoding)} would be lost: {fix}, "
+                "or run them without decoding."
+            )
 
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p")
@@ -411,18 +459,22 @@ def _write_predictions(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def _summarize(rows: list[dict[str, Any]], tasks: Sequence[str]) -> dict[str, Any]:
-    """Per-task scores (mean of the sample scores, percent), their mean and the mean compression ratio."""
-    per_task = {}
+    """Per-task scores (mean of the sample scores, percent), their mean, the mean compression ratio, and the 95%
+    confidence interval of every score (:func:`evaluation.intervals.run_intervals`)."""
+    by_task = {}
     for task in tasks:
         scores = [r["score"] for r in rows if r["task"] == task]
         if scores:
-            per_task[task] = sum(scores) / len(scores)
+            by_task[task] = scores
+    per_task = {task: sum(scores) / len(scores) for task, scores in by_task.items()}
     ratios = [r["compression_ratio"] for r in rows]
     return {
         "score": sum(per_task.values()) / len(per_task),  # mean over tasks, as RULER and LongBench average
         "tasks": per_task,
         "compression_ratio": sum(ratios) / len(ratios),
         "n_predictions": len(rows),
+        "tasks_n": {task: len(scores) for task, scores in by_task.items()},
+        **run_intervals(by_task),
     }
 
 
@@ -445,45 +497,183 @@ def _make_run_press(config: EvalConfig, run: RunSpec):
         raise
 
 
+#: Rows of an unfinished run, one JSON object a line, appended as samples finish (deleted once the run is done).
+PARTIAL = "predictions.partial.jsonl"
+
+
+def _sample_key(sample: dict[str, Any]) -> str:
+    return f"{sample['task']}/{sample['id']}"
+
+
+def _read_partial(path: Path) -> dict[str, dict[str, Any]]:
+    """Rows an interrupted run already wrote, by sample key; a last line cut off by the interruption is dropped."""
+    done: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return done
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the process was killed while writing this line
+        done[_sample_key(row)] = row
+    return done
+
+
+def _append_partial(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Append finished rows and push them to disk, so that a killed run keeps them."""
+    with path.open("a", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _can_pad(press: Any) -> bool:
+    """Whether ``press`` prunes a left-padded batch (what its base class checks when a padded batch starts)."""
+    if press is None:
+        return True
+    scorers_ok = not press.scores_needed or all(s.supports_padding for s in press.scorers())
+    return bool(press.supports_padding and scorers_ok)
+
+
+def plan_batches(lengths: list[int], budgets: list[int], batch_size: int, equal_lengths: bool) -> list[list[int]]:
+    """Split samples into batches of at most ``batch_size``, as indices into the lists.
+
+    A batch shares its token budget (the pipeline answers a batch with one ``max_new_tokens``; a task has one
+    budget) and holds contexts of neighbouring lengths (sorted by token count, so that left padding stays small),
+    or of one length when ``equal_lengths`` (presses that cannot prune padding, chunked prefills).
+
+    Parameters
+    ----------
+    lengths : ``(n,)`` context tokens of each sample, as the pipeline prefills it.
+    budgets : ``(n,)`` generation budget of each sample.
+    batch_size : most samples per batch.
+    equal_lengths : batch only samples of equal context length.
+    """
+    if len(lengths) != len(budgets):
+        raise ValueError(f"lengths and budgets must have one entry per sample, got {len(lengths)} and {len(budgets)}.")
+
+    def key(i: int) -> tuple[int, int]:
+        return (budgets[i], lengths[i] if equal_lengths else 0)
+
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (*key(i), lengths[i], i)):
+        if batches and len(batches[-1]) < batch_size and key(batches[-1][0]) == key(i):
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 def _evaluate_run(
-    pipe, config: EvalConfig, run: RunSpec, samples: list[dict[str, Any]], model: Any = None, tokenizer: Any = None
+    pipe,
+    config: EvalConfig,
+    run: RunSpec,
+    samples: list[dict[str, Any]],
+    model: Any = None,
+    tokenizer: Any = None,
+    directory: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """Answer and score every sample of one run: greedily with the pipeline, or sampled with ``model.generate``."""
+    """Answer and score every sample of one run: greedily with the pipeline (``config.batch_size`` contexts at a
+    time), or sampled with ``model.generate``.
+
+    With ``directory``, each finished sample (each finished batch) is appended to its ``predictions.partial.jsonl``
+    and the samples found there are not run again: a killed run resumes where it stopped.
+
+    Returns
+    -------
+    list of dict, one row per sample, in the order of ``samples``.
+    """
     benchmark = config.benchmark
     # One press for the whole run: its per-sequence state lives in the cache and its statistics restart at each
     # prefill, while weights it loads (a KVzap surrogate) are loaded once.
     press = _make_run_press(config, run)
     # LongBench contexts were truncated in the middle when loaded; the pipeline would keep their beginning.
     max_context_length = config.max_context_length if benchmark.truncation == "end" else None
-    rows = []
-    for sample in tqdm(samples, desc=run.label, leave=False, unit="sample"):
-        budget = config.max_new_tokens or sample["max_new_tokens"]
-        if benchmark.sampled:
-            prediction = aime.generate(
-                model, tokenizer, sample, press, max_new_tokens=budget, sampling=config.sampling, seed=config.seed
+    partial = directory / PARTIAL if directory is not None else None
+    done = _read_partial(partial) if partial is not None else {}
+    todo = [s for s in samples if _sample_key(s) not in done]
+    if len(todo) < len(samples):
+        logger.info("Resuming %s: %d of %d samples done", run.label, len(samples) - len(todo), len(samples))
+
+    def row(sample: dict[str, Any], prediction: str, ratio: float) -> dict[str, Any]:
+        return {
+            "task": sample["task"],
+            "id": sample["id"],
+            "prediction": prediction,
+            "answers": sample["answers"],
+            "score": benchmark.score(sample, prediction),
+            "compression_ratio": ratio,
+            "n_tokens": sample["n_tokens"],
+        }
+
+    def finish(new: list[dict[str, Any]]) -> None:
+        for r in new:
+            done[_sample_key(r)] = r
+        if partial is not None:
+            _append_partial(partial, new)
+
+    budgets = [config.max_new_tokens or s["max_new_tokens"] for s in todo]
+    progress = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=run.label, leave=False, unit="sample")
+    if benchmark.sampled or config.batch_size == 1:
+        for sample, budget in zip(todo, budgets, strict=True):
+            if benchmark.sampled:
+                prediction = aime.generate(
+                    model, tokenizer, sample, press, max_new_tokens=budget, sampling=config.sampling, seed=config.seed
+                )
+            else:
+                prediction = pipe(
+                    sample["context"],
+                    question=sample["question"],
+                    answer_prefix=sample["answer_prefix"],
+                    press=press,
+                    max_new_tokens=budget,
+                    max_context_length=max_context_length,
+                    prefill_chunk_size=config.prefill_chunk_size,
+                )["answer"]
+            # The per-row statistic, as in a batch (for one row it equals press.compression_ratio).
+            ratio = float(press.sample_compression_ratios[0]) if press is not None else 0.0
+            finish([row(sample, prediction, ratio)])
+            progress.update(1)
+    else:
+        # Each sample's prompt as the pipeline tokenizes it (chat template, truncation), with its own question and
+        # answer prefix. The pipeline's list path takes one answer prefix for all its contexts, while every RULER
+        # needle has its own, so the runner hands the rows to the same batched prefill that path uses.
+        inputs = [
+            pipe.preprocess(s["context"], [s["question"]], s["answer_prefix"], max_context_length, False) for s in todo
+        ]
+        lengths = [r["context_ids"].shape[1] for r in inputs]
+        equal_lengths = not _can_pad(press) or (press is not None and config.prefill_chunk_size is not None)
+        batches = plan_batches(lengths, budgets, config.batch_size, equal_lengths)
+        if equal_lengths and todo:
+            why = "it prefills in chunks" if _can_pad(press) else "it cannot prune a padded batch"
+            logger.warning(
+                "%s: %s batches contexts of equal length only, as %s (%d batches for %d samples)",
+                run.label,
+                run.press,
+                why,
+                len(batches),
+                len(todo),
             )
-        else:
-            prediction = pipe(
-                sample["context"],
-                question=sample["question"],
-                answer_prefix=sample["answer_prefix"],
+        for batch in batches:
+            answers = pipe._forward_batch(
+                [inputs[i] for i in batch],
                 press=press,
-                max_new_tokens=budget,
-                max_context_length=max_context_length,
+                max_new_tokens=budgets[batch[0]],
                 prefill_chunk_size=config.prefill_chunk_size,
-            )["answer"]
-        rows.append(
-            {
-                "task": sample["task"],
-                "id": sample["id"],
-                "prediction": prediction,
-                "answers": sample["answers"],
-                "score": benchmark.score(sample, prediction),
-                "compression_ratio": press.compression_ratio if press is not None else 0.0,
-                "n_tokens": sample["n_tokens"],
-            }
-        )
-    return rows
+            )
+            # Decoding does not touch the statistics (batching refuses decoding=True): these are the prefill's,
+            # one per row, in the batch's order.
+            ratios = press.sample_compression_ratios.tolist() if press is not None else [0.0] * len(batch)
+            if len(ratios) != len(batch):
+                raise RuntimeError(
+                    f"The press reported {len(ratios)} per-sample compression ratios for a batch of {len(batch)}: "
+                    "report this bug."
+                )
+            finish([row(todo[i], a[0], r) for i, a, r in zip(batch, answers, ratios, strict=True)])
+            progress.update(len(batch))
+    progress.close()
+    return [done[_sample_key(s)] for s in samples]
 
 
 def _load_samples(config: EvalConfig, length: int | None, tokenizer: Any) -> list[dict[str, Any]]:
@@ -568,19 +758,29 @@ def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None)
             continue
         if run.length not in samples_by_length:
             samples_by_length[run.length] = _load_samples(config, run.length, tokenizer)
-        rows = _evaluate_run(pipe, config, run, samples_by_length[run.length], model, tokenizer)
-        metrics = {**_summarize(rows, config.task_list), **dataclasses.asdict(run), "model": model_name}
+        # Written first, so that an unfinished run's directory says what it holds.
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(
             json.dumps({**_run_record(config, run, model_name), "sweep": dataclasses.asdict(config)}, indent=2),
             encoding="utf-8",
         )
+        rows = _evaluate_run(pipe, config, run, samples_by_length[run.length], model, tokenizer, directory)
+        metrics = {**_summarize(rows, config.task_list), **dataclasses.asdict(run), "model": model_name}
         _write_predictions(directory / "predictions.csv", rows)
-        # Written last: its presence marks the run as finished.
+        # Written last: its presence marks the run as finished; the rows of the unfinished run are then redundant.
         tmp = metrics_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(metrics, indent=2), encoding="utf-8")
         tmp.replace(metrics_path)
-        logger.info("%s: score %.2f, compression %.3f", run.label, metrics["score"], metrics["compression_ratio"])
+        (directory / PARTIAL).unlink(missing_ok=True)
+        low, high = metrics["score_ci"]
+        logger.info(
+            "%s: score %.2f [%.2f, %.2f], compression %.3f",
+            run.label,
+            metrics["score"],
+            low,
+            high,
+            metrics["compression_ratio"],
+        )
         results.append({"run_dir": str(directory), **dataclasses.asdict(run), "metrics": metrics, "skipped": False})
     return results
 
@@ -686,6 +886,13 @@ def build_parser(prog: str = "python -m evaluation") -> argparse.ArgumentParser:
     )
     parser.add_argument("--device")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--batch-size",
+        dest="batch_size",
+        type=int,
+        help="contexts prefilled together as one left-padded batch, sorted by length (default 1; same answers; "
+        "top-k and KVzip+ presses batch equal lengths only; not for aime25, --decoding or random)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     return parser
 
@@ -702,12 +909,15 @@ def config_from_args(argv: Sequence[str] | None, prog: str = "python -m evaluati
 
 
 def _format_results(results: list[dict[str, Any]]) -> str:
-    lines = [f"{'run':56s} {'score':>7s} {'compr.':>7s}"]
+    lines = [f"{'run':56s} {'score':>7s} {'95% interval':>16s} {'compr.':>7s}"]
     for result in results:
         metrics = result["metrics"]
         label = RunSpec(**{f.name: result[f.name] for f in dataclasses.fields(RunSpec)}).label
         mark = " (cached)" if result["skipped"] else ""
-        lines.append(f"{label:56s} {metrics['score']:7.2f} {metrics['compression_ratio']:7.3f}{mark}")
+        # Runs finished before intervals were recorded have none: `plot` computes them from predictions.csv.
+        ci = metrics.get("score_ci")
+        interval = f"[{ci[0]:5.1f}, {ci[1]:5.1f}]" if ci else "-"
+        lines.append(f"{label:56s} {metrics['score']:7.2f} {interval:>16s} {metrics['compression_ratio']:7.3f}{mark}")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from evaluation.benchmarks import BENCHMARKS, LoadRequest
+from evaluation.intervals import run_intervals
 from evaluation.metrics import last_boxed, normalize_integer_answer, sample_score
 from evaluation.plots import summarize
 from evaluation.presses import PRESSES, PressFactory
@@ -45,6 +46,11 @@ def test_writes_every_file(finished):
         metrics = json.loads((directory / "metrics.json").read_text())
         assert set(metrics["tasks"]) == {"niah_single", "cwe"} and metrics["n_predictions"] == 4
         assert metrics["score"] == pytest.approx(sum(metrics["tasks"].values()) / 2)
+        # Every score has its 95% interval, recomputed here from the written per-sample scores.
+        low, high = metrics["score_ci"]
+        assert 0.0 <= low <= metrics["score"] <= high <= 100.0 and metrics["tasks_n"] == {"niah_single": 2, "cwe": 2}
+        for task, (low, high) in metrics["tasks_ci"].items():
+            assert low <= metrics["tasks"][task] <= high and metrics["ci_method"][task] in ("wilson", "bootstrap")
         resolved = json.loads((directory / "config.json").read_text())
         assert resolved["press"] == result["press"] and resolved["length"] == 400 and resolved["model"] == "tiny-llama"
         with (directory / "predictions.csv").open() as handle:
@@ -55,6 +61,10 @@ def test_writes_every_file(finished):
             assert float(row["score"]) == sample_score(row["task"], row["prediction"], answers)
         ratios = [float(r["compression_ratio"]) for r in rows]
         assert metrics["compression_ratio"] == pytest.approx(sum(ratios) / len(ratios))
+        by_task = {t: [float(r["score"]) for r in rows if r["task"] == t] for t in ("niah_single", "cwe")}
+        assert {k: metrics[k] for k in ("score_ci", "tasks_ci", "ci_method")} == {
+            k: v for k, v in run_intervals(by_task).items() if k in ("score_ci", "tasks_ci", "ci_method")
+        }
         if result["press"] == "no_press":
             assert ratios == [0.0] * 4
         else:

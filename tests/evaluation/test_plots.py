@@ -1,0 +1,111 @@
+"""Intervals in the summary table, the CSV and the plot's error bars; the comparison with the full cache."""
+
+import csv
+import json
+
+import pytest
+
+from evaluation.intervals import run_intervals
+from evaluation.plots import collect_results, compare_to_full_cache, highest_compression_inside, summarize
+
+
+def _write(root, name, press, score, ci, compression=0.0, value=None, knob="threshold"):
+    run = root / name
+    run.mkdir(parents=True)
+    metrics = {
+        "model": "m",
+        "dataset": "ruler_offline",
+        "length": 2048,
+        "press": press,
+        "knob": None if press == "no_press" else knob,
+        "value": value,
+        "score": score,
+        "score_ci": ci,
+        "tasks": {"t": score},
+        "tasks_ci": {"t": ci},
+        "compression_ratio": compression,
+    }
+    (run / "metrics.json").write_text(json.dumps(metrics), encoding="utf-8")
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    root = tmp_path / "runs"
+    _write(root, "full", "no_press", 50.0, [40.0, 60.0])
+    _write(root, "a", "kvzap_mlp", 52.0, [42.0, 62.0], 0.4, -6.0)
+    _write(root, "b", "kvzap_mlp", 41.0, [31.0, 51.0], 0.6, -5.0)
+    _write(root, "c", "kvzap_mlp", 35.0, [25.0, 45.0], 0.7, -4.0)
+    _write(root, "d", "kvzap_mlp", 20.0, [12.0, 30.0], 0.85, -3.0)
+    _write(root, "e", "kvzip_plus_threshold", 30.0, [21.0, 39.5], 0.5, -5.0)
+    _write(root, "f", "kvzip_plus_threshold", 45.0, [35.0, 55.0], 0.8, -3.0)
+    return root
+
+
+def test_comparison_with_the_full_cache(sweep):
+    results = collect_results(sweep)
+    full = next(r for r in results if r["press"] == "no_press")
+    verdicts = {(r["press"], r["compression_ratio"]): compare_to_full_cache(r, full) for r in results}
+    assert verdicts == {
+        ("kvzap_mlp", 0.4): "inside",
+        ("kvzap_mlp", 0.6): "inside",
+        ("kvzap_mlp", 0.7): "below, intervals overlap",
+        ("kvzap_mlp", 0.85): "below, intervals disjoint",
+        ("kvzip_plus_threshold", 0.5): "below, intervals disjoint",
+        ("kvzip_plus_threshold", 0.8): "inside",
+        ("no_press", 0.0): "",
+    }
+    # "Stays inside" up to a compression: every run at or below it is inside (kvzip_plus fails at its first).
+    (panel,) = highest_compression_inside(results).items()
+    assert panel[0] == ("m", "ruler_offline", 2048)
+    assert panel[1]["kvzap_mlp"]["compression_ratio"] == 0.6 and panel[1]["kvzip_plus_threshold"] is None
+
+
+def test_table_csv_and_error_bars(sweep, tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    bars = []
+    original = Axes.errorbar
+
+    def spy(self, x, y, yerr=None, **kwargs):
+        bars.append((kwargs.get("label"), list(x), list(y), yerr))
+        return original(self, x, y, yerr=yerr, **kwargs)
+
+    monkeypatch.setattr(Axes, "errorbar", spy)
+    paths = summarize(sweep, tmp_path / "out")
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    mlp = next(b for b in bars if b[0] == "kvzap_mlp")
+    assert mlp[1] == [0.4, 0.6, 0.7, 0.85] and mlp[3] == [[10.0, 10.0, 10.0, 8.0], [10.0, 10.0, 10.0, 10.0]]
+
+    table = paths["table"].read_text()
+    assert "| m | ruler_offline | 2048 | no_press | - | 0.000 | 50.00 [40.0, 60.0] |  | 50.0 [40.0, 60.0] |" in table
+    assert "| kvzap_mlp | tau=-3 | 0.850 | 20.00 [12.0, 30.0] | below, intervals disjoint |" in table
+    assert "- m, ruler_offline, 2048 tokens: kvzap_mlp 0.600 (tau=-5), kvzip_plus_threshold none" in table
+
+    with paths["csv"].open(newline="") as handle:
+        rows = {(r["press"], r["value"]): r for r in csv.DictReader(handle)}
+    row = rows[("kvzap_mlp", "-4.0")]
+    assert (row["score"], row["score_low"], row["score_high"]) == ("35.0", "25.0", "45.0")
+    assert (row["t_low"], row["t_high"], row["vs_full_cache"]) == ("25.0", "45.0", "below, intervals overlap")
+
+
+def test_runs_without_intervals_get_them_from_their_predictions(tmp_path):
+    run = tmp_path / "old"
+    run.mkdir()
+    metrics = {"model": "m", "press": "no_press", "knob": None, "value": None, "length": 2048, "score": 45.0}
+    metrics.update(tasks={"a": 70.0, "b": 20.0}, compression_ratio=0.0)
+    (run / "metrics.json").write_text(json.dumps(metrics), encoding="utf-8")
+    scores = {"a": [100.0] * 7 + [0.0] * 3, "b": [50.0, 0.0, 0.0, 0.0, 50.0, 0.0, 0.0, 0.0, 0.0, 100.0]}
+    with (run / "predictions.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["task", "id", "prediction", "answers", "score", "compression_ratio", "n_tokens"])
+        for task, values in scores.items():
+            writer.writerows([task, i, "", "[]", v, 0.0, 10] for i, v in enumerate(values))
+    (result,) = collect_results(tmp_path)
+    expected = run_intervals(scores)
+    assert result["score_ci"] == expected["score_ci"] and result["tasks_ci"] == expected["tasks_ci"]
+    assert result["ci_method"] == {"a": "wilson", "b": "bootstrap"}
+    # Without predictions either: no interval, and the table shows the score alone.
+    (run / "predictions.csv").unlink()
+    (result,) = collect_results(tmp_path)
+    assert result["score_ci"] is None
+    assert "| 45.00 |" in summarize(tmp_path, tmp_path / "out")["table"].read_text()
