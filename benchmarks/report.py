@@ -119,7 +119,8 @@ def report(directory: Path) -> str:
                 f"{len(rss['none']['runs_mb'])} fresh processes per mode: no press {rss['none']['median_mb']:.0f} MB "
                 f"({', '.join(f'{v:.0f}' for v in rss['none']['runs_mb'])}), kvzap compact "
                 f"{rss['compact']['median_mb']:.0f} MB ({', '.join(f'{v:.0f}' for v in rss['compact']['runs_mb'])}), "
-                f"{evicted:.1%} evicted: **{saved:.0f} MB lower** (goal: >= 0.8 x evicted x full KV = {goal:.0f} MB).",
+                f"{evicted:.1%} evicted: **{abs(saved):.0f} MB {'lower' if saved >= 0 else 'higher'}** (goal: lower by "
+                f">= 0.8 x evicted x full KV = {goal:.0f} MB: {'met' if saved >= goal else 'not met'}).",
             ]
     scorers = _load(directory, "scorers.json")
     if scorers:
