@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import random
+from pathlib import Path
+
 import torch
 
 CHAT_TEMPLATE = (
@@ -43,3 +47,13 @@ def make_tiny_llama(attn_implementation: str = "sdpa", seed: int = 0, vocab_size
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     return model
+
+
+def write_word_corpus(path: Path, n_docs: int, n_words: int) -> Path:
+    """A ``.jsonl`` corpus of ``n_docs`` documents of ``n_words`` colour words (seeded), in two subsets."""
+    rng = random.Random(0)
+    with Path(path).open("w") as f:
+        for i in range(n_docs):
+            text = " ".join(rng.choice(["red", "green", "blue"]) for _ in range(n_words))
+            f.write(json.dumps({"text": text, "subset": f"s{i % 2}"}) + "\n")
+    return Path(path)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
 from kvzap.surrogates import KVzapSurrogate
-from tests.train import make_tiny_llama
+from tests.train import make_tiny_llama, write_word_corpus
 from train.__main__ import build_parser, main
 
 
@@ -38,11 +37,7 @@ def test_prompt_counts_say_they_are_per_subset(capsys):
 def test_all_then_fit_again(tmp_path, tiny_tokenizer, capsys):
     make_tiny_llama().save_pretrained(tmp_path / "tiny")
     tiny_tokenizer.save_pretrained(tmp_path / "tiny")
-    rng = random.Random(0)
-    with (tmp_path / "data.jsonl").open("w") as f:
-        for i in range(8):
-            text = " ".join(rng.choice(["red", "green", "blue"]) for _ in range(25))
-            f.write(json.dumps({"text": text, "subset": f"s{i % 2}"}) + "\n")
+    write_word_corpus(tmp_path / "data.jsonl", n_docs=8, n_words=25)
     data = ["--model", str(tmp_path / "tiny"), "--data", str(tmp_path / "data.jsonl"), "--train-per-subset", "2"]
     data += ["--test-per-subset", "1", "--min-tokens", "30", "--max-tokens", "60", "--n-tokens", "12"]
     fit = ["--epochs", "2", "--batch-size", "8", "--hidden-dim", "4"]

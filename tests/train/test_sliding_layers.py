@@ -11,6 +11,7 @@ from kvzap import DMSThresholdPress, KVzapScorer
 from kvzap.kvzip import kvzip_plus_scores
 from kvzap.surrogates import KVzapSurrogate
 from tests.conftest import char_tokenizer, random_ids, tiny_model
+from tests.train import write_word_corpus
 from train.collect import collect, load_collection
 from train.fit import fit_and_save
 
@@ -97,7 +98,6 @@ def test_checkpoints_without_the_field_load_as_published(tmp_path):
 def test_collect_command_takes_the_option_and_the_press_with_it_agrees(tmp_path, capsys):
     """``python -m train collect`` / ``kvzap train collect`` (same parser) and ``all`` with and without
     ``--prune-sliding-layers``: the surrogates fitted serve a press built with the same option."""
-    import random
 
     from train.__main__ import build_parser, main
 
@@ -108,11 +108,7 @@ def test_collect_command_takes_the_option_and_the_press_with_it_agrees(tmp_path,
     gemma = tiny_model("gemma3_text")
     gemma.save_pretrained(tmp_path / "gemma")
     char_tokenizer().save_pretrained(tmp_path / "gemma")
-    rng = random.Random(0)
-    with (tmp_path / "data.jsonl").open("w") as f:
-        for i in range(4):
-            text = " ".join(rng.choice(["red", "green", "blue"]) for _ in range(20))
-            f.write(json.dumps({"text": text, "subset": f"s{i % 2}"}) + "\n")
+    write_word_corpus(tmp_path / "data.jsonl", n_docs=4, n_words=20)
     data = ["--model", str(tmp_path / "gemma"), "--data", str(tmp_path / "data.jsonl"), "--train-per-subset", "2"]
     data += ["--test-per-subset", "0", "--min-tokens", "30", "--max-tokens", "60", "--n-tokens", "8"]
     data += ["--splits", "train"]
