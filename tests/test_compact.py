@@ -111,9 +111,8 @@ def test_physical_bytes_follow_kept_pairs():
     assert layer.num_blocks * bs >= int(cap.sum()) and layer.num_blocks <= int(cap.sum()) // bs * 33 // 32 + 4
     pool = layer.num_blocks * (bs * (pair_bytes + 4 + 4) + 8)  # int32 position, fp32 bias, int64 owner per block
     slot_map = layer.table.slot.nbytes  # host-side, int32
-    # Scores of the window's tokens, their comparisons with the threshold, and the buffered new pairs not scored yet.
-    state = layer.press_state
-    press = [state["pending"], state["decided"], *(t for entry in state["unscored"] for t in entry)]
+    state = layer.press_state  # scores of the window's tokens, and the buffered new pairs not scored yet
+    press = [state["pending"], *(t for entry in state["unscored"] for t in entry)]
     press_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in press}.values())
     assert press_bytes > 0
     # Kept between steps: np.arange(heads) (host) and a 0-dim -inf (device).

@@ -31,9 +31,6 @@ __all__ = ["DMSThresholdPress"]
 
 #: Decoded tokens scored per scorer call (at most; fewer when a token must leave the window before).
 _DECODE_SCORE_BATCH = 16
-#: Keys of a layer's press state: the pending scores compared with the threshold ``(B, H, p)`` bool, and that
-#: threshold.
-_DECIDED, _DECIDED_AT = "decided", "decided_at"
 
 
 @dataclass
@@ -205,29 +202,19 @@ class DMSThresholdPress(BasePress):
             unscored += (new,)
             n_unscored += q_len
         n_leaving = committed - self.sliding_window_size - start  # tokens between start and the window
-        rescored = False
         if unscored and (score_all or n_unscored >= _DECODE_SCORE_BATCH or n_leaving > n_pending):
             # Decoded tokens are scored in batches (one scorer call for up to _DECODE_SCORE_BATCH of them, the
             # fixed cost of a call dominates a single token's); a token's score is needed only when it leaves the
             # window, and a batch is scored before that.
-            rescored = True
             scores = self._score(module, layer, unscored, first=start + n_pending)
             pending = scores if pending is None else torch.cat([pending, scores], dim=-1)  # (B, H, p + q)
             unscored, n_pending = (), pending.shape[-1]
 
-        state = layer.press_state
-        if rescored:
-            state.pop(_DECIDED, None)
         if n_leaving > 0:
-            # These tokens leave the window now: decide their fate once and for all. The buffered scores are
-            # compared with the threshold once per scoring batch, not in every decoding step: ``_DECIDED`` holds the
-            # comparisons, aligned with the pending scores (recomputed after a scoring, a crop or a new threshold).
-            decided = state.get(_DECIDED)
-            if decided is None or decided.shape != pending.shape or state.get(_DECIDED_AT) != self.threshold:
-                decided = pending < self.threshold
-            layer.evict(start, decided[..., :n_leaving])
+            # These tokens leave the window now: decide their fate once and for all.
+            layer.evict(start, pending[..., :n_leaving] < self.threshold)
             pending, start = pending[..., n_leaving:], start + n_leaving
-            state[_DECIDED], state[_DECIDED_AT] = decided[..., n_leaving:], self.threshold
+        state = layer.press_state
         state["pending"], state["pending_start"], state["unscored"] = pending, start, unscored
 
     def _score(self, module: nn.Module, layer: PrunableLayer, unscored: tuple, first: int) -> torch.Tensor:
