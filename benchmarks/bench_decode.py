@@ -24,6 +24,7 @@ import torch
 from benchmarks.common import load, meta, prefill_and_decode, sweep, write_results
 from benchmarks.outside import model_storage_keys, reachable_bytes
 from kvzap import DMSThresholdPress, KVzapScorer, RandomScorer
+from kvzap.heap import set_heap_release
 
 MODES = ("none", "masked", "compact")
 
@@ -69,8 +70,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--peak-memory", choices=MODES, default=None, help="one run of one mode, peak RSS")
+    parser.add_argument(
+        "--no-heap-release", action="store_true", help="keep freed host memory in the allocator (kvzap.heap)"
+    )
     parser.add_argument("--json", default=None, help="where to write the results")
     args = parser.parse_args(argv)
+    if args.no_heap_release:
+        set_heap_release(None)
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model, args.device, args.dtype)

@@ -8,7 +8,10 @@ Three measures, none of them asks kvzap (``benchmarks/outside.py``):
    same samples of the same forward run without a cache (``use_cache=False``): what caching (and pruning) costs at
    that point. The largest difference is the peak KV-related memory.
 3. **Peak RSS** of a whole job (``--rss-prompt`` prefill + ``--rss-decode`` decoded tokens), one fresh process per
-   run (``bench_decode.py --peak-memory``), median of ``--rss-runs`` processes per mode.
+   run (``bench_decode.py --peak-memory``), median of ``--rss-runs`` processes per mode: no press, kvzap compact,
+   kvzap compact without giving freed pages back (``kvzap.heap``); then no press and kvzap compact again under
+   ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc maps every tensor of 64 KiB or more on its own and unmaps it when freed,
+   so RSS follows the live tensors: the comparison without the heap's fragmentation).
 
     python -m benchmarks.bench_memory --model ~/.cache/kvzap/models/SmolLM2-135M-Instruct --prefill 2048 8192 \
         --threshold -3.4 --decode 64 --rss-runs 5 --json benchmarks/results/memory.json
@@ -70,8 +73,22 @@ def measure(model, prompt: torch.Tensor, mode: str, baseline: dict[int, int], ar
     return row
 
 
-def peak_rss(args, mode: str) -> tuple[list[float], list[float]]:
-    """Peak RSS (MB) and evicted share of ``args.rss_runs`` fresh processes running prefill + decode in ``mode``."""
+# Peak-RSS variants: (press mode, bench_decode flags, extra environment).
+RSS_VARIANTS = {
+    "none": ("none", [], {}),
+    "compact": ("compact", [], {}),
+    # The same without giving freed pages back to the system (kvzap.heap): what glibc alone does.
+    "compact_no_heap_release": ("compact", ["--no-heap-release"], {}),
+}
+# glibc serving every allocation of 64 KiB or more with its own mapping, unmapped on free: RSS then follows the live
+# tensors, without the heap's fragmentation (the same runs under an allocator that returns freed memory at once).
+MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def peak_rss(args, variant: str, env: dict[str, str] | None = None) -> tuple[list[float], list[float]]:
+    """Peak RSS (MB) and evicted share of ``args.rss_runs`` fresh processes running prefill + decode in
+    ``variant`` (a key of ``RSS_VARIANTS``), with ``env`` added to the environment."""
+    mode, flags, extra_env = RSS_VARIANTS[variant]
     values, evicted = [], []
     for run in range(args.rss_runs):
         with tempfile.TemporaryDirectory() as tmp:
@@ -83,11 +100,13 @@ def peak_rss(args, mode: str) -> tuple[list[float], list[float]]:
                 cmd += ["--model", args.model]
             if args.surrogate:
                 cmd += ["--surrogate", args.surrogate]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": "."})
+            cmd += flags
+            environ = {**os.environ, "PYTHONPATH": ".", **extra_env, **(env or {})}
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=environ)
             result = json.loads(out.read_text())["results"][0]
         values.append(result["peak_rss_mb"])
         evicted.append(result["evicted_share"])
-        print(f"  peak RSS, {mode}, run {run}: {values[-1]:.0f} MB", flush=True)
+        print(f"  peak RSS, {variant}{' ' + str(env) if env else ''}, run {run}: {values[-1]:.0f} MB", flush=True)
     return values, evicted
 
 
@@ -140,15 +159,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     # Written before the peak-RSS processes (minutes each), so that a stopped run keeps the figures above.
     write_results(args.json, setup, results)
-    rss = {}
-    if args.rss_runs:
-        for mode in ("none", "compact"):
-            runs, evicted = peak_rss(args, mode)
-            rss[mode] = {"runs_mb": runs, "median_mb": statistics.median(runs), "evicted_share": evicted}
-    if args.json and rss:
-        data = json.loads(Path(args.json).read_text())
-        data["peak_rss"] = rss
-        Path(args.json).write_text(json.dumps(data, indent=2))
+    if not args.rss_runs:
+        return
+    for key, env, variants in (("peak_rss", None, RSS_VARIANTS), ("peak_rss_mmap", MMAP_ENV, ("none", "compact"))):
+        rss = {}
+        for variant in variants:
+            runs, evicted = peak_rss(args, variant, env)
+            rss[variant] = {"runs_mb": runs, "median_mb": statistics.median(runs), "evicted_share": evicted}
+        if args.json:
+            data = json.loads(Path(args.json).read_text())
+            data[key] = {**rss, "env": env or {}}
+            Path(args.json).write_text(json.dumps(data, indent=2))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -12,6 +13,39 @@ MB = 2**20
 def _load(directory: Path, name: str) -> dict | None:
     path = directory / name
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def _runs(entry: dict) -> str:
+    return f"{entry['median_mb']:.0f} MB ({', '.join(f'{v:.0f}' for v in entry['runs_mb'])})"
+
+
+def _rss_lines(memory: dict) -> list[str]:
+    """Peak RSS paragraphs of ``memory.json``: the default allocator, then glibc with a fixed mmap threshold."""
+    m, lines = memory["meta"], []
+    for key, allocator in (
+        ("peak_rss", "glibc's default allocator"),
+        ("peak_rss_mmap", "`MALLOC_MMAP_THRESHOLD_=65536` (every tensor of 64 KiB or more unmapped when freed)"),
+    ):
+        rss = memory.get(key)
+        if not rss or "none" not in rss or "compact" not in rss:
+            continue
+        evicted = statistics.mean(rss["compact"]["evicted_share"])
+        saved = rss["none"]["median_mb"] - rss["compact"]["median_mb"]
+        goal = 0.8 * evicted * m["rss_full_bytes"] / MB
+        text = (
+            f"Peak RSS of {m['rss_prompt']}-token prefill + {m['rss_decode']} decoded tokens, {allocator}, median of "
+            f"{len(rss['none']['runs_mb'])} fresh processes per mode: no press {_runs(rss['none'])}, kvzap compact "
+            f"{_runs(rss['compact'])}, {evicted:.1%} evicted: **{abs(saved):.0f} MB "
+            f"{'lower' if saved >= 0 else 'higher'}** (goal: lower by >= 0.8 x evicted x full KV = {goal:.0f} MB: "
+            f"{'met' if saved >= goal else 'not met'})."
+        )
+        if "compact_no_heap_release" in rss:
+            text += (
+                f" kvzap compact without giving freed pages back to the system (`kvzap.heap.set_heap_release(None)`): "
+                f"{_runs(rss['compact_no_heap_release'])}."
+            )
+        lines += ["", text]
+    return lines
 
 
 def report(directory: Path) -> str:
@@ -107,21 +141,7 @@ def report(directory: Path) -> str:
                 f"| {r['prefill_peak_extra'] / full:.3f}{goal} "
                 f"| {r['held_after_decode'] / r['full_bytes_decode']:.3f} |"
             )
-        rss = memory.get("peak_rss")
-        if rss:
-            full = m["rss_full_bytes"]
-            evicted = sum(rss["compact"]["evicted_share"]) / len(rss["compact"]["evicted_share"])
-            saved = rss["none"]["median_mb"] - rss["compact"]["median_mb"]
-            goal = 0.8 * evicted * full / MB
-            lines += [
-                "",
-                f"Peak RSS of {m['rss_prompt']}-token prefill + {m['rss_decode']} decoded tokens, median of "
-                f"{len(rss['none']['runs_mb'])} fresh processes per mode: no press {rss['none']['median_mb']:.0f} MB "
-                f"({', '.join(f'{v:.0f}' for v in rss['none']['runs_mb'])}), kvzap compact "
-                f"{rss['compact']['median_mb']:.0f} MB ({', '.join(f'{v:.0f}' for v in rss['compact']['runs_mb'])}), "
-                f"{evicted:.1%} evicted: **{abs(saved):.0f} MB {'lower' if saved >= 0 else 'higher'}** (goal: lower by "
-                f">= 0.8 x evicted x full KV = {goal:.0f} MB: {'met' if saved >= goal else 'not met'}).",
-            ]
+        lines += _rss_lines(memory)
     scorers = _load(directory, "scorers.json")
     if scorers:
         m = scorers["meta"]

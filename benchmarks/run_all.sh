@@ -42,7 +42,8 @@ fi
 fi
 if [ "$PART" != timing ]; then  # memory, measured from outside
 # KV memory from outside (held by the cache, prefill peak at every layer's exit) and peak RSS of 8k prefill + 256
-# decoded tokens, median of 5 fresh processes per mode (none, compact).
+# decoded tokens, median of 5 fresh processes per mode (none, compact, compact without the heap release; then none
+# and compact again with glibc's mmap threshold fixed at 64 KiB, so that RSS follows the live tensors).
 "$PY" -m benchmarks.bench_memory "${common[@]}" --prefill 2048 8192 --threshold="$TAU" --decode 64 --rss-runs 5 \
     --json "$OUT/memory.json"
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \

@@ -57,6 +57,7 @@ from torch import nn
 
 from kvzap._compat import DynamicLayer, crop_count
 from kvzap.cache import PrunableLayer, prunable_layer_like
+from kvzap.heap import release_freed
 from kvzap.paged.attention import paged_attention
 from kvzap.paged.pool import BlockPool
 from kvzap.paged.table import BlockTable, PackPlan
@@ -252,7 +253,11 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         """End of the press's post-hook: pairs of a first forward that no eviction wrote go into the pool now."""
         super().end_forward()
         if self._dense is not None:
+            keys, values = self._dense
+            nbytes = keys.nbytes + values.nbytes
+            del keys, values
             self._write_dense()
+            release_freed(nbytes, self.device)  # the prompt's dense pairs are gone: give their pages back
 
     def _reset_transient(self) -> None:
         super()._reset_transient()
