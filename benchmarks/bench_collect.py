@@ -27,14 +27,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1200)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--prune-sliding-layers", action="store_true", help="also score the sliding-window layers (collect's option)"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    from kvzap.layers import prunable_layers
     from kvzap.models import load_model
     from train.collect import build_repeat_prompt, kvzip_plus_scores
 
     model, tokenizer = load_model(args.model)
+    # The layers `train collect` scores: a sliding-window layer runs plain attention (nothing is collected there).
+    layers = prunable_layers(model, args.prune_sliding_layers)
     text = Path(sys.modules["argparse"].__file__).read_text()  # real Python source, present everywhere
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.prompt_tokens]
     repeat = build_repeat_prompt(tokenizer, ids)
@@ -47,7 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     modes = {
         "plain_sdpa_last_logits": lambda: plain(1),
         "plain_sdpa_all_logits": lambda: plain(0),
-        "kvzip_plus_collection": lambda: kvzip_plus_scores(model, tokenizer, repeat, return_hidden_states=True),
+        "kvzip_plus_collection": lambda: kvzip_plus_scores(
+            model, tokenizer, repeat, return_hidden_states=True, layers=layers
+        ),
     }
     plain(1)  # warm-up
     times: dict[str, list[float]] = {name: [] for name in modes}
@@ -58,11 +66,23 @@ def main(argv: list[str] | None = None) -> None:
             times[name].append(time.perf_counter() - start)
     result = {name: statistics.median(t) for name, t in times.items()}
     base = result["plain_sdpa_last_logits"]
-    print(f"repeat prompt: {x.shape[1]} tokens (prompt {len(ids)})")
+    print(
+        f"repeat prompt: {x.shape[1]} tokens (prompt {len(ids)}), "
+        f"{len(layers)} of {model.config.num_hidden_layers} layers scored"
+    )
     for name, seconds in result.items():
         print(f"{name:<24} {seconds:7.2f} s   {seconds / base:.2f}x")
     if args.json:
-        payload = {"meta": meta(tool="kvzap", runs=args.runs, repeat_tokens=x.shape[1]), "seconds": result}
+        payload = {
+            "meta": meta(
+                tool="kvzap",
+                model=args.model or "SmolLM2-135M-Instruct",
+                runs=args.runs,
+                repeat_tokens=x.shape[1],
+                scored_layers=list(layers),
+            ),
+            "seconds": result,
+        }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(payload, indent=2))
 
