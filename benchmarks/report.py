@@ -176,7 +176,56 @@ def report(directory: Path) -> str:
         for name, seconds in sec.items():
             lines.append(f"| {name} | {seconds:.2f} | {seconds / base:.2f}x |")
     lines += _batch_lines(_load(directory, "batch.json"))
+    lines += _second_model_lines(directory)
     return "\n".join(lines)
+
+
+def _second_model_lines(directory: Path) -> list[str]:
+    """Gemma 3 270M: decode speed and outside-measured KV (``gemma_decode*.json``), collection cost
+    (``gemma_collect.json``)."""
+    runs = [_load(directory, p.name) for p in sorted(Path(directory).glob("gemma_decode*.json"))]
+    rows = sorted(((r, d["meta"]) for d in runs if d for r in d["results"]), key=lambda x: x[0]["prefill_tokens"])
+    lines = []
+    if rows:
+        m = rows[0][1]
+        lines += [
+            "",
+            f"Gemma 3 270M (`{Path(m['model']).name}`), {m['dtype']}, {m['threads']} threads, threshold "
+            f"{m['threshold']}, window {m['window']}, {m['decode_tokens']} decoded tokens; KV measured from outside "
+            "(every tensor storage reachable from the cache; no press: transformers' cache, whose sliding layers "
+            "hold their window):",
+            "",
+            "| context | runs | evicted (full-attention layers) | KV after prefill (MB): no press, kvzap "
+            f"| KV after {m['decode_tokens']} tokens (MB): no press, kvzap (kvzap / no press) "
+            "| decode tok/s: no press, kvzap | kvzap / no press | prefill s: no press, kvzap |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r, meta in rows:
+            after = r["compact_kv_bytes_after_decode"] / r["none_kv_bytes_after_decode"]
+            lines.append(
+                f"| {r['prefill_tokens']} | {meta['runs']} | {r['compact_evicted_share']:.1%} "
+                f"| {r['none_kv_bytes_after_prefill'] / MB:.1f}, {r['compact_kv_bytes_after_prefill'] / MB:.1f} "
+                f"| {r['none_kv_bytes_after_decode'] / MB:.1f}, {r['compact_kv_bytes_after_decode'] / MB:.1f} "
+                f"(**{after:.2f}**) "
+                f"| {r['none_decode_tok_s']:.2f}, {r['compact_decode_tok_s']:.2f} "
+                f"| **{r['compact_decode_tok_s'] / r['none_decode_tok_s']:.2f}x** "
+                f"| {r['none_prefill_s']:.1f}, {r['compact_prefill_s']:.1f} |"
+            )
+    collect = _load(directory, "gemma_collect.json")
+    if collect:
+        sec, meta = collect["seconds"], collect["meta"]
+        base = sec["plain_sdpa_last_logits"]
+        scored = meta.get("scored_layers")
+        ok = sec["kvzip_plus_collection"] <= 1.5 * base
+        lines += [
+            "",
+            f"KVzip+ target collection on Gemma 3 270M, one {meta['repeat_tokens']}-token repeat prompt, "
+            f"{'layers ' + ', '.join(map(str, scored)) + ' scored' if scored else 'every layer scored'} (median of "
+            f"{meta['runs']} runs): "
+            + ", ".join(f"{name} {seconds:.2f} s ({seconds / base:.2f}x)" for name, seconds in sec.items())
+            + f" (goal: collection <= 1.5x the plain forward: {'met' if ok else 'not met'}).",
+        ]
+    return lines
 
 
 # The issue's goals for the ragged batch: batched kvzap decode against batched no press and kvzap one at a time.

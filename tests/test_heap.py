@@ -96,35 +96,3 @@ def test_a_compact_prefill_reports_each_layers_dense_pairs(monkeypatch):
         assert noted == [(dense, "cpu")] * cfg.num_hidden_layers
         model(ids[:, :1], **{kw: cache})
     assert len(noted) == cfg.num_hidden_layers
-
-
-def test_the_report_judges_the_peak_rss_under_each_allocator(tmp_path):
-    """``benchmarks/report.py`` compares kvzap with no press against the goal (0.8 x evicted x full KV), under the
-    default allocator and under a fixed mmap threshold, and shows the run without the heap release."""
-    import json
-
-    from benchmarks.report import report
-
-    def entry(runs, evicted=0.6):
-        return {"runs_mb": runs, "median_mb": sorted(runs)[len(runs) // 2], "evicted_share": [evicted] * len(runs)}
-
-    meta = {"num_layers": 30, "threshold": -3.4, "decode_tokens": 64, "rss_prompt": 8192, "rss_decode": 256}
-    memory = {
-        "meta": {**meta, "rss_full_bytes": 400 * 2**20},  # goal: 0.8 x 0.6 x 400 = 192 MB lower
-        "results": [],
-        "peak_rss": {
-            "none": entry([1700, 1680, 1500]),
-            "compact": entry([1300, 1250, 1280]),
-            "compact_no_heap_release": entry([1900, 2100, 1300]),
-            "env": {},
-        },
-        "peak_rss_mmap": {"none": entry([1450, 1460, 1440]), "compact": entry([1300, 1310, 1290]), "env": {}},
-    }
-    (tmp_path / "memory.json").write_text(json.dumps(memory))
-    text = report(tmp_path)
-    default, mmap = [line for line in text.splitlines() if line.startswith("Peak RSS of 8192-token")]
-    assert "no press 1680 MB (1700, 1680, 1500), kvzap compact 1280 MB" in default
-    assert "**400 MB lower** (goal: lower by >= 0.8 x evicted x full KV = 192 MB: met)" in default
-    assert "without giving freed pages back" in default and "1900 MB (1900, 2100, 1300)" in default
-    assert "MALLOC_MMAP_THRESHOLD_=65536" in mmap
-    assert "**150 MB lower**" in mmap and "192 MB: not met" in mmap

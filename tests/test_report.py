@@ -1,0 +1,72 @@
+"""``benchmarks/report.py``: the sections BENCHMARKS.md takes from the JSON of the benchmark scripts."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.report import report
+
+
+def test_the_report_judges_the_peak_rss_under_each_allocator(tmp_path):
+    """``benchmarks/report.py`` compares kvzap with no press against the goal (0.8 x evicted x full KV), under the
+    default allocator and under a fixed mmap threshold, and shows the run without the heap release."""
+
+    def entry(runs, evicted=0.6):
+        return {"runs_mb": runs, "median_mb": sorted(runs)[len(runs) // 2], "evicted_share": [evicted] * len(runs)}
+
+    meta = {"num_layers": 30, "threshold": -3.4, "decode_tokens": 64, "rss_prompt": 8192, "rss_decode": 256}
+    memory = {
+        "meta": {**meta, "rss_full_bytes": 400 * 2**20},  # goal: 0.8 x 0.6 x 400 = 192 MB lower
+        "results": [],
+        "peak_rss": {
+            "none": entry([1700, 1680, 1500]),
+            "compact": entry([1300, 1250, 1280]),
+            "compact_no_heap_release": entry([1900, 2100, 1300]),
+            "env": {},
+        },
+        "peak_rss_mmap": {"none": entry([1450, 1460, 1440]), "compact": entry([1300, 1310, 1290]), "env": {}},
+    }
+    (tmp_path / "memory.json").write_text(json.dumps(memory))
+    text = report(tmp_path)
+    default, mmap = [line for line in text.splitlines() if line.startswith("Peak RSS of 8192-token")]
+    assert "no press 1680 MB (1700, 1680, 1500), kvzap compact 1280 MB" in default
+    assert "**400 MB lower** (goal: lower by >= 0.8 x evicted x full KV = 192 MB: met)" in default
+    assert "without giving freed pages back" in default and "1900 MB (1900, 2100, 1300)" in default
+    assert "MALLOC_MMAP_THRESHOLD_=65536" in mmap
+    assert "**150 MB lower**" in mmap and "192 MB: not met" in mmap
+
+
+def test_the_second_model_section_reads_every_gemma_run_and_judges_the_collection(tmp_path):
+    def row(n, none_prefill_mb, none_mb, kvzap_mb, none_tok, kvzap_tok):
+        return {
+            "prefill_tokens": n,
+            "none_kv_bytes_after_prefill": none_prefill_mb * 2**20,
+            "none_kv_bytes_after_decode": none_mb * 2**20,
+            "compact_kv_bytes_after_prefill": kvzap_mb * 2**20,
+            "compact_kv_bytes_after_decode": kvzap_mb * 2**20,
+            "compact_evicted_share": 0.7,
+            "none_decode_tok_s": none_tok,
+            "compact_decode_tok_s": kvzap_tok,
+            "none_prefill_s": 40.0,
+            "compact_prefill_s": 41.0,
+        }
+
+    meta = {"model": "/x/gemma-3-270m", "dtype": "float32", "threads": 2, "threshold": -1.5, "window": 128}
+    meta["decode_tokens"] = 64
+    (tmp_path / "gemma_decode.json").write_text(
+        json.dumps({"meta": {**meta, "runs": 3}, "results": [row(16384, 576, 111, 45, 7.0, 9.1)]})
+    )
+    (tmp_path / "gemma_decode_32k.json").write_text(
+        json.dumps({"meta": {**meta, "runs": 1}, "results": [row(8192, 288, 64, 32, 8.0, 8.0)]})
+    )
+    seconds = {"plain_sdpa_last_logits": 4.0, "plain_sdpa_all_logits": 9.0, "kvzip_plus_collection": 6.4}
+    collect = {"meta": {"repeat_tokens": 2415, "runs": 3, "scored_layers": [5, 11, 17]}, "seconds": seconds}
+    (tmp_path / "gemma_collect.json").write_text(json.dumps(collect))
+    lines = report(tmp_path).splitlines()
+    rows = [line for line in lines if line.startswith("| 8192 |") or line.startswith("| 16384 |")]
+    assert [r.split(" | ")[0] for r in rows] == ["| 8192", "| 16384"]  # sorted by context, from both files
+    assert "| 64.0, 32.0 (**0.50**) |" in rows[0] and "**1.00x**" in rows[0] and rows[0].startswith("| 8192 | 1 |")
+    assert "| 576.0, 45.0 |" in rows[1] and "**1.30x**" in rows[1]
+    (text,) = [line for line in lines if line.startswith("KVzip+ target collection on Gemma")]
+    assert "layers 5, 11, 17 scored" in text and "kvzip_plus_collection 6.40 s (1.60x)" in text
+    assert text.endswith("goal: collection <= 1.5x the plain forward: not met).")
