@@ -17,6 +17,12 @@ QUESTION = "What is the secret launch code for the kvzap demo? Answer with the n
 _HAYSTACK_MODULES = (
     "argparse", "collections", "json", "logging", "pathlib", "re", "subprocess", "typing", "unittest",
     "itertools", "functools", "datetime", "csv", "textwrap", "threading",
+    # Appended (longer contexts: 32k tokens for Gemma 3); the texts of shorter contexts are unchanged.
+    "asyncio", "email.message", "http.client", "urllib.request", "xml.etree.ElementTree", "sqlite3", "tarfile",
+    "zipfile", "shutil", "decimal", "fractions", "statistics", "random", "enum", "dataclasses", "inspect", "ast",
+    "configparser", "optparse", "pickle", "string", "calendar", "heapq", "contextlib", "io", "tempfile", "difflib",
+    "pprint", "copy", "operator", "types", "queue", "codecs", "locale", "gettext", "traceback", "warnings",
+    "doctest", "importlib", "pkgutil", "socketserver", "multiprocessing", "concurrent.futures",
 )  # fmt: skip
 
 
