@@ -124,13 +124,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rss-runs", type=int, default=5, help="fresh processes per mode for peak RSS (0: skip)")
     parser.add_argument("--rss-prompt", type=int, default=8192)
     parser.add_argument("--rss-decode", type=int, default=256)
+    parser.add_argument(
+        "--rss-only", action="store_true", help="only the peak-RSS processes, added to the existing --json file"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.rss_only and not (args.json and Path(args.json).exists() and args.rss_runs):
+        parser.error("--rss-only needs --rss-runs > 0 and an existing --json file (from an earlier full run).")
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model, args.device, args.dtype)
     results = []
-    for n in args.prefill:
+    for n in [] if args.rss_only else args.prefill:
         prompt = prompt_ids(tokenizer, n, model.config.vocab_size).to(model.device)
         with torch.no_grad(), LayerExitSampler(model) as base:
             model(prompt, use_cache=False, logits_to_keep=1)
@@ -158,7 +163,12 @@ def main(argv: list[str] | None = None) -> None:
         rss_full_bytes=full_cache_bytes(model.config, args.rss_prompt + args.rss_decode, dtype=model.dtype),
     )
     # Written before the peak-RSS processes (minutes each), so that a stopped run keeps the figures above.
-    write_results(args.json, setup, results)
+    if args.rss_only:
+        data = json.loads(Path(args.json).read_text())
+        data["meta"].update(setup)
+        Path(args.json).write_text(json.dumps(data, indent=2))
+    else:
+        write_results(args.json, setup, results)
     if not args.rss_runs:
         return
     for key, env, variants in (("peak_rss", None, RSS_VARIANTS), ("peak_rss_mmap", MMAP_ENV, ("none", "compact"))):

@@ -11,6 +11,7 @@ import json
 import platform
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -168,8 +169,22 @@ def full_kv_bytes(model, n_tokens: int) -> int:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far (Linux reports kB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident memory (MB) of this process's own address space so far.
+
+    Linux's ``VmHWM`` (``/proc/self/status``). Not ``getrusage().ru_maxrss``: Linux carries the parent's peak into
+    a child across fork and exec, so a process started by a large one (``bench_memory.py`` after its own
+    measures, ~2 GB) reports at least the parent's size whatever it used itself. Elsewhere, ``ru_maxrss`` (kB on
+    Linux, bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    scale = 2**20 if sys.platform == "darwin" else 2**10
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
 
 
 def meta(**extra) -> dict:

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 
 import torch
 
-from benchmarks.common import load, prefill_and_decode, prompt_ids
+from benchmarks.common import load, peak_rss_mb, prefill_and_decode, prompt_ids
 from kvzap import DMSThresholdPress, KVzapScorer, RandomScorer
 from kvzap.heap import set_heap_release
 
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for hook in hooks:
             hook.remove()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_mb()
     previous = start
     print(f"{args.mode}, {args.prefill} tokens: RSS {start:.0f} MB before the prefill")
     for i, mb in trace:

@@ -11,6 +11,8 @@ prefill, the memory the cache costs peaks at most at the kept share + one layer 
 from __future__ import annotations
 
 import gc
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,3 +161,20 @@ def test_dense_prefill_peak():
     extra = max(b - baseline[i] for i, b in sampled.samples)
     full = full_cache_bytes(model.config, N_PROMPT)
     assert extra <= (kept + 1 / layers + SLACK) * full, (extra / full, kept)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
+def test_a_child_reports_its_own_peak_rss_not_its_parents():
+    """``peak_rss_mb`` in a fresh process started by a large one: Linux's ``ru_maxrss`` would report the parent's
+    size (it carries over fork and exec), ``VmHWM`` reports the child's own address space."""
+    import resource
+    import subprocess
+
+    ballast = torch.ones(400 * 2**20 // 4)  # 400 MB touched in this (parent) process
+    code = "from benchmarks.common import peak_rss_mb; print(peak_rss_mb())"
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    child = float(out.stdout.split()[-1])
+    parent = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert parent > 400 and child < parent - 300, (child, parent)
+    del ballast
