@@ -85,12 +85,12 @@ RSS_VARIANTS = {
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def peak_rss(args, variant: str, env: dict[str, str] | None = None) -> tuple[list[float], list[float]]:
-    """Peak RSS (MB) and evicted share of ``args.rss_runs`` fresh processes running prefill + decode in
-    ``variant`` (a key of ``RSS_VARIANTS``), with ``env`` added to the environment."""
+def peak_rss(args, variant: str, env: dict[str, str] | None, n_runs: int) -> tuple[list[float], list[float]]:
+    """Peak RSS (MB) and evicted share of ``n_runs`` fresh processes running prefill + decode in ``variant`` (a
+    key of ``RSS_VARIANTS``), with ``env`` added to the environment."""
     mode, flags, extra_env = RSS_VARIANTS[variant]
     values, evicted = [], []
-    for run in range(args.rss_runs):
+    for run in range(n_runs):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "peak.json"
             cmd = [sys.executable, "-m", "benchmarks.bench_decode", "--prefill", str(args.rss_prompt)]
@@ -124,6 +124,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rss-runs", type=int, default=5, help="fresh processes per mode for peak RSS (0: skip)")
     parser.add_argument("--rss-prompt", type=int, default=8192)
     parser.add_argument("--rss-decode", type=int, default=256)
+    parser.add_argument(
+        "--rss-variants", nargs="+", default=list(RSS_VARIANTS), choices=list(RSS_VARIANTS), help="peak-RSS runs"
+    )
+    parser.add_argument(
+        "--rss-mmap-runs", type=int, default=None, help="processes per mode under the fixed mmap threshold (0: skip)"
+    )
     parser.add_argument(
         "--rss-only", action="store_true", help="only the peak-RSS processes, added to the existing --json file"
     )
@@ -171,15 +177,18 @@ def main(argv: list[str] | None = None) -> None:
         write_results(args.json, setup, results)
     if not args.rss_runs:
         return
-    for key, env, variants in (("peak_rss", None, RSS_VARIANTS), ("peak_rss_mmap", MMAP_ENV, ("none", "compact"))):
-        rss = {}
-        for variant in variants:
-            runs, evicted = peak_rss(args, variant, env)
-            rss[variant] = {"runs_mb": runs, "median_mb": statistics.median(runs), "evicted_share": evicted}
-        if args.json:
-            data = json.loads(Path(args.json).read_text())
-            data[key] = {**rss, "env": env or {}}
-            Path(args.json).write_text(json.dumps(data, indent=2))
+    mmap_runs = args.rss_runs if args.rss_mmap_runs is None else args.rss_mmap_runs
+    for key, env, variants, n_runs in (
+        ("peak_rss", None, args.rss_variants, args.rss_runs),
+        ("peak_rss_mmap", MMAP_ENV, ("none", "compact"), mmap_runs),
+    ):
+        for variant in variants if n_runs else ():
+            runs, evicted = peak_rss(args, variant, env, n_runs)
+            if args.json:  # after each variant (minutes each); a later run with other variants adds to them
+                data = json.loads(Path(args.json).read_text())
+                entry = {"runs_mb": runs, "median_mb": statistics.median(runs), "evicted_share": evicted}
+                data[key] = {**data.get(key, {}), variant: entry, "env": env or {}}
+                Path(args.json).write_text(json.dumps(data, indent=2))
 
 
 if __name__ == "__main__":
