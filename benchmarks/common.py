@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import resource
 import statistics
@@ -166,6 +167,12 @@ def full_kv_bytes(model, n_tokens: int) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     return 2 * cfg.num_hidden_layers * n_kv * n_tokens * head_dim * torch.finfo(model.dtype).bits // 8
+
+
+def resident_mb() -> float:
+    """Resident memory (MB) of this process now (Linux: ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def peak_rss_mb() -> float:

@@ -16,20 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
-from benchmarks.common import load, peak_rss_mb, prefill_and_decode, prompt_ids
+from benchmarks.common import load, peak_rss_mb, prefill_and_decode, prompt_ids, resident_mb
 from kvzap import DMSThresholdPress, KVzapScorer, RandomScorer
 from kvzap.heap import set_heap_release
-
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def resident_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE / 2**20
 
 
 def main(argv: list[str] | None = None) -> None:

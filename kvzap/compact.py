@@ -253,9 +253,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         """End of the press's post-hook: pairs of a first forward that no eviction wrote go into the pool now."""
         super().end_forward()
         if self._dense is not None:
-            keys, values = self._dense
-            nbytes = keys.nbytes + values.nbytes
-            del keys, values
+            nbytes = sum(t.nbytes for t in self._dense)
             self._write_dense()
             release_freed(nbytes, self.device)  # the prompt's dense pairs are gone: give their pages back
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 
 import pytest
@@ -12,6 +11,7 @@ from transformers import DynamicCache
 
 import kvzap.compact
 import kvzap.heap as heap
+from benchmarks.common import resident_mb
 from kvzap import DMSThresholdPress, RandomScorer, _compat
 from tests.conftest import random_ids, tiny_model
 
@@ -22,11 +22,6 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 def default_cadence():
     yield
     heap.set_heap_release()
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
@@ -45,9 +40,9 @@ def test_trim_gives_back_pages_freed_in_the_middle_of_the_heap():
         pins.append(libc.malloc(4096))
     for p in big:
         libc.free(p)
-    before = resident_bytes()
+    before = resident_mb()
     assert heap.trim_heap()
-    released = before - resident_bytes()
+    released = (before - resident_mb()) * 2**20
     for p in pins:
         libc.free(p)
     assert released > 0.8 * n * size, f"the trim gave back {released / 2**20:.0f} MiB of {n * size / 2**20:.0f}"
