@@ -97,6 +97,11 @@ def main() -> int:
     import kvzap
 
     print(f"kvzap from {Path(kvzap.__file__).parent}, working directory {os.getcwd()}")
+    # The wheel carries the kernel's C++ source, and it builds (or loads from torch's extension cache).
+    from kvzap.paged import kernels
+
+    kernels.build()
+    check(kernels.kernel_status() == "loaded", f"The CPU decode kernel did not load: {kernels.kernel_status()}")
     for command in ("train", "evaluate"):
         check(f"usage: kvzap {command}" in run_kvzap(command, "--help"), f"`kvzap {command} --help` shows no usage.")
 

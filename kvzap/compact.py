@@ -40,8 +40,11 @@ split the same way (:mod:`kvzap.paged`):
   hole, or growing the pool, would keep two pools alive), and evicted slots stay dead until the snapshot is gone.
   A question and answer longer than that room grow the pool: then the snapshot's pool and the layer's coexist
   until the next restore.
-- **Attention** reads the used blocks (always a prefix of the pool) as a batch; causal masks of multi-token
-  steps come from the stored positions, so they are exact whatever was evicted.
+- **Attention** of a decoded token (one query position) on CPU runs the fused kernel of
+  :mod:`kvzap.paged.kernels` (one call per layer and step, compiled on first use; the generic function serves
+  when it cannot be built, and everywhere else). Otherwise it reads the used blocks (always a prefix of the
+  pool) as a batch; causal masks of multi-token steps come from the stored positions, so they are exact
+  whatever was evicted.
 
 Sliding-window layers (Mistral, Gemma3 local layers) keep the masked storage: their window already bounds
 their size. :func:`compact_layer_like` picks the storage per layer.
@@ -59,6 +62,7 @@ from kvzap._compat import DynamicLayer, crop_count
 from kvzap.cache import PrunableLayer, prunable_layer_like
 from kvzap.heap import release_freed
 from kvzap.paged.attention import paged_attention
+from kvzap.paged.kernels import decode_kernel
 from kvzap.paged.pool import BlockPool
 from kvzap.paged.table import BlockTable, PackPlan
 
@@ -480,6 +484,21 @@ class CompactLayer(PrunableLayer, DynamicLayer):
                 attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
             am = attention_mask[:, 0, -q_len:, -self.seen :]  # (B or 1, q, seen)
         nu, pool = self.table.n_used, self.pool
+        if q_len == 1 and self._use_kernel(query):
+            mask = None if am is None else am[:, 0].contiguous()  # (B or 1, seen)
+            out = decode_kernel()(
+                query.contiguous(),
+                pool.keys,
+                pool.values,
+                pool.bias,
+                pool.owner,
+                pool.positions,
+                mask,
+                nu,
+                self._heads,
+                float(scale),
+            )  # (B, Hq, 1, d)
+            return out.transpose(1, 2).contiguous(), None
         blocks = (pool.keys[:nu], pool.values[:nu], pool.positions[:nu], pool.bias[:nu], pool.owner[:nu])
         # A multi-token step (question, prefill chunk) meets every stored slot: bound the (slots x rows) scratch
         # by attending a few query positions at a time.
@@ -495,6 +514,18 @@ class CompactLayer(PrunableLayer, DynamicLayer):
             outs.append(paged_attention(query[:, :, t0:t1], *blocks, self._heads, scale, q_pos=q_pos, mask=rows_mask))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, Hq, q, d)
         return out.transpose(1, 2).contiguous(), None
+
+    def _use_kernel(self, query: torch.Tensor) -> bool:
+        """Whether a decoding step can use the fused CPU kernel (:mod:`kvzap.paged.kernels`): CPU tensors of one
+        dtype, no gradient, and the kernel built (or buildable) here."""
+        keys = self.pool.keys
+        return (
+            keys is not None
+            and query.device.type == "cpu"
+            and query.dtype == keys.dtype
+            and not (query.requires_grad and torch.is_grad_enabled())
+            and decode_kernel() is not None
+        )
 
     # --- snapshots ----------------------------------------------------------------------------------------------
     def _needs_press(self) -> bool:

@@ -2,7 +2,8 @@
 
 - :mod:`kvzap.paged.table`: the host-side block table (block lists, slot map, holes, repack plans);
 - :mod:`kvzap.paged.pool`: the device pool of blocks, with snapshots that share it by reference (copy on write);
-- :mod:`kvzap.paged.attention`: a pure paged-attention function with segment reductions.
+- :mod:`kvzap.paged.attention`: a pure paged-attention function with segment reductions;
+- :mod:`kvzap.paged.kernels`: the same attention for one decoded token, fused into one compiled CPU operator.
 """
 
 from kvzap.paged.attention import paged_attention

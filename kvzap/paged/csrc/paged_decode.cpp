@@ -1,0 +1,387 @@
+// Fused paged attention for one decoded token per sequence (CPU), for kvzap's compact cache.
+//
+// The same computation as kvzap.paged.attention.paged_attention with q_len == 1, in one call: for every head
+// (batch row, KV head) the query rows of its group read the blocks the head owns, with a softmax split over
+// chunks of blocks (flash decoding) merged per head. The work is split over (head, chunk) tasks with
+// at::parallel_for, so it uses torch's intra-op threads. Reads each kept pair once per step, writes nothing but
+// the output, and replaces the ~14 tensor operations (and their dispatch) of the generic path.
+//
+// Built on first use by kvzap.paged.kernels (torch.utils.cpp_extension.load_inline); the generic path serves
+// every case this kernel does not take (multi-token steps, CUDA, no compiler).
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Blocks per task: a chunk is read by one thread (256 slots at the default block size).
+constexpr int64_t kChunkBlocks = 4;
+
+// exp(x) for x <= 0 (a logit minus its running max), vectorizable: Cody-Waite range reduction and a degree-6
+// polynomial (relative error ~2e-7, as expf); x below -87 gives 0.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick)
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// Dot product with eight independent partial sums (vectorized without reassociating a single sum).
+template <typename scalar_t>
+inline float dot(const float* q, const scalar_t* k, int64_t d) {
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    for (int j = 0; j < 8; ++j) part[j] += q[i + j] * static_cast<float>(k[i + j]);
+  }
+  float acc = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  for (; i < d; ++i) acc += q[i] * static_cast<float>(k[i]);
+  return acc;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVZAP_AVX2 1
+
+// exp_nonpositive on 8 lanes (the same range reduction and polynomial).
+inline __m256 exp8_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(r, r), p, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+// The eight sums of v0 .. v7, as one vector.
+inline __m256 sum8x8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m256 v5, __m256 v6, __m256 v7) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v4, v5), _mm256_hadd_ps(v6, v7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// lg[g * bs + s] = q_g . k_s + sb[s] for a block (float keys; d a multiple of 8): eight slots at a time.
+inline void block_logits_f32(const float* q, int64_t groups, int64_t d, const float* kb, int64_t bs, const float* sb,
+                             float* lg) {
+  int64_t s0 = 0;
+  for (; s0 + 8 <= bs; s0 += 8) {
+    const float* k0 = kb + s0 * d;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* qg = q + g * d;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qi = _mm256_loadu_ps(qg + i);
+        a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k0 + i), a0);
+        a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k0 + d + i), a1);
+        a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k0 + 2 * d + i), a2);
+        a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k0 + 3 * d + i), a3);
+        a4 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k0 + 4 * d + i), a4);
+        a5 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k0 + 5 * d + i), a5);
+        a6 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k0 + 6 * d + i), a6);
+        a7 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k0 + 7 * d + i), a7);
+      }
+      const __m256 sums = _mm256_add_ps(sum8x8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_loadu_ps(sb + s0));
+      _mm256_storeu_ps(lg + g * bs + s0, sums);
+    }
+  }
+  for (; s0 < bs; ++s0) {
+    for (int64_t g = 0; g < groups; ++g) lg[g * bs + s0] = dot(q + g * d, kb + s0 * d, d) + sb[s0];
+  }
+}
+
+// One query row's online-softmax update with a block (float values; dv a multiple of 8): lg (bs,) logits in,
+// overwritten with the weights.
+inline void block_update_f32(float* lg, int64_t bs, const float* vb, int64_t dv, float& mx, float& sm, float* acc) {
+  const __m256 ninf8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 m8 = ninf8;
+  int64_t s = 0;
+  for (; s + 8 <= bs; s += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(lg + s));
+  float m = mx;
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, m8);
+  for (int j = 0; j < 8; ++j) m = std::max(m, tmp[j]);
+  for (int64_t r = s; r < bs; ++r) m = std::max(m, lg[r]);
+  if (m == -std::numeric_limits<float>::infinity()) return;  // nothing live in this block for this row
+  const float rescale = mx == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(mx - m);
+  if (rescale != 1.f) {
+    sm *= rescale;
+    for (int64_t i = 0; i < dv; ++i) acc[i] *= rescale;
+  }
+  mx = m;
+  const __m256 mm = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  for (s = 0; s + 8 <= bs; s += 8) {
+    const __m256 l = _mm256_loadu_ps(lg + s);
+    const __m256 dead = _mm256_cmp_ps(l, ninf8, _CMP_EQ_OQ);
+    const __m256 w = _mm256_andnot_ps(dead, exp8_nonpositive(_mm256_sub_ps(l, mm)));
+    _mm256_storeu_ps(lg + s, w);
+    total = _mm256_add_ps(total, w);
+  }
+  _mm256_store_ps(tmp, total);
+  float block_sum = ((tmp[0] + tmp[1]) + (tmp[2] + tmp[3])) + ((tmp[4] + tmp[5]) + (tmp[6] + tmp[7]));
+  for (; s < bs; ++s) {
+    const float w = lg[s] == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(lg[s] - m);
+    lg[s] = w;
+    block_sum += w;
+  }
+  sm += block_sum;
+  // acc += sum_s w_s v_s, 64 output columns at a time kept in registers.
+  for (int64_t i0 = 0; i0 < dv; i0 += 64) {
+    const int64_t width = std::min<int64_t>(64, dv - i0);
+    if (width == 64) {
+      __m256 c0 = _mm256_loadu_ps(acc + i0), c1 = _mm256_loadu_ps(acc + i0 + 8), c2 = _mm256_loadu_ps(acc + i0 + 16),
+             c3 = _mm256_loadu_ps(acc + i0 + 24), c4 = _mm256_loadu_ps(acc + i0 + 32),
+             c5 = _mm256_loadu_ps(acc + i0 + 40), c6 = _mm256_loadu_ps(acc + i0 + 48),
+             c7 = _mm256_loadu_ps(acc + i0 + 56);
+      for (int64_t r = 0; r < bs; ++r) {
+        if (lg[r] == 0.f) continue;
+        const __m256 w = _mm256_set1_ps(lg[r]);
+        const float* v = vb + r * dv + i0;
+        c0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), c0);
+        c1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), c1);
+        c2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), c2);
+        c3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), c3);
+        c4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), c4);
+        c5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), c5);
+        c6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), c6);
+        c7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), c7);
+      }
+      _mm256_storeu_ps(acc + i0, c0);
+      _mm256_storeu_ps(acc + i0 + 8, c1);
+      _mm256_storeu_ps(acc + i0 + 16, c2);
+      _mm256_storeu_ps(acc + i0 + 24, c3);
+      _mm256_storeu_ps(acc + i0 + 32, c4);
+      _mm256_storeu_ps(acc + i0 + 40, c5);
+      _mm256_storeu_ps(acc + i0 + 48, c6);
+      _mm256_storeu_ps(acc + i0 + 56, c7);
+    } else {
+      for (int64_t r = 0; r < bs; ++r) {
+        if (lg[r] == 0.f) continue;
+        const __m256 w = _mm256_set1_ps(lg[r]);
+        const float* v = vb + r * dv + i0;
+        for (int64_t i = 0; i < width; i += 8)
+          _mm256_storeu_ps(acc + i0 + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i0 + i)));
+      }
+    }
+  }
+}
+#endif
+
+template <typename scalar_t>
+void decode_kernel(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                   const at::Tensor& bias, const at::Tensor& owner, const at::Tensor& positions,
+                   const c10::optional<at::Tensor>& mask, int64_t num_used, int64_t kv_heads, double scale,
+                   at::Tensor& out) {
+  const int64_t bsz = query.size(0), n_q_heads = query.size(1), d = query.size(3);
+  const int64_t groups = n_q_heads / kv_heads, nh = bsz * kv_heads;
+  const int64_t bs = keys.size(1), dv = values.size(2);
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = keys.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = values.data_ptr<scalar_t>();
+  const scalar_t* b_ptr = bias.data_ptr<scalar_t>();
+  const int64_t* o_ptr = owner.data_ptr<int64_t>();
+  const int32_t* p_ptr = positions.data_ptr<int32_t>();
+  const bool* m_ptr = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
+  const int64_t m_rows = mask.has_value() ? mask->size(0) : 0, seen = mask.has_value() ? mask->size(1) : 0;
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+
+  // The blocks of each head, in pool order (a block owned by no head, owner >= nh, is skipped).
+  std::vector<std::vector<int64_t>> head_blocks(nh);
+  for (int64_t blk = 0; blk < num_used; ++blk) {
+    const int64_t h = o_ptr[blk];
+    if (h >= 0 && h < nh) head_blocks[h].push_back(blk);
+  }
+  // Tasks: (head, first block index in its list).
+  std::vector<std::pair<int64_t, int64_t>> tasks;
+  for (int64_t h = 0; h < nh; ++h) {
+    const int64_t n = static_cast<int64_t>(head_blocks[h].size());
+    for (int64_t c = 0; c < n; c += kChunkBlocks) tasks.emplace_back(h, c);
+    if (n == 0) tasks.emplace_back(h, 0);  // a head with no pair: its rows get NaN, as sdpa gives
+  }
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  // Per task and query row of the group: running max, sum of weights, weighted values.
+  std::vector<float> t_max(n_tasks * groups), t_sum(n_tasks * groups), t_acc(n_tasks * groups * dv);
+  const float ninf = -std::numeric_limits<float>::infinity();
+
+  // A few blocks are read faster by one thread than woken threads would share them.
+  const int64_t grain = num_used < 16 ? n_tasks : 1;
+  at::parallel_for(0, n_tasks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(groups * d), logits(groups * bs), sb(bs);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t h = tasks[t].first, c0 = tasks[t].second;
+      const int64_t b = h / kv_heads;
+      const auto& blocks = head_blocks[h];
+      const int64_t c1 = std::min<int64_t>(c0 + kChunkBlocks, static_cast<int64_t>(blocks.size()));
+      // The group's query rows of this head, scaled, in float.
+      for (int64_t g = 0; g < groups; ++g) {
+        const scalar_t* src = q_ptr + ((h * groups + g) * d);  // (B, Hq, 1, d): head h's rows are consecutive
+        for (int64_t i = 0; i < d; ++i) q[g * d + i] = static_cast<float>(src[i]) * static_cast<float>(scale);
+      }
+      float* mx = t_max.data() + t * groups;
+      float* sm = t_sum.data() + t * groups;
+      float* acc = t_acc.data() + t * groups * dv;
+      std::fill(mx, mx + groups, ninf);
+      std::fill(sm, sm + groups, 0.f);
+      std::fill(acc, acc + groups * dv, 0.f);
+      const bool* mrow = m_ptr ? m_ptr + std::min(b, m_rows - 1) * seen : nullptr;
+      for (int64_t ci = c0; ci < c1; ++ci) {
+        const int64_t blk = blocks[ci];
+        const scalar_t* kb = k_ptr + blk * bs * d;
+        const scalar_t* vb = v_ptr + blk * bs * dv;
+        const scalar_t* bb = b_ptr + blk * bs;
+        const int32_t* pb = p_ptr + blk * bs;
+        // The slots' additive bias (0 live, -inf free or hidden by the mask).
+        bool any_live = false;
+        for (int64_t s = 0; s < bs; ++s) {
+          float bias_s = static_cast<float>(bb[s]);
+          if (mrow) {
+            const int64_t p = std::min<int64_t>(std::max<int64_t>(pb[s], 0), seen - 1);
+            if (!mrow[p]) bias_s = ninf;
+          }
+          sb[s] = bias_s;
+          any_live |= bias_s != ninf;
+        }
+        if (!any_live) continue;
+#ifdef KVZAP_AVX2
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          if (d % 8 == 0 && dv % 8 == 0) {
+            block_logits_f32(q.data(), groups, d, kb, bs, sb.data(), logits.data());
+            for (int64_t g = 0; g < groups; ++g)
+              block_update_f32(logits.data() + g * bs, bs, vb, dv, mx[g], sm[g], acc + g * dv);
+            continue;
+          }
+        }
+#endif
+        for (int64_t s = 0; s < bs; ++s) {
+          const scalar_t* ks = kb + s * d;
+          for (int64_t g = 0; g < groups; ++g)
+            logits[g * bs + s] = sb[s] == ninf ? ninf : dot(q.data() + g * d, ks, d) + sb[s];
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+          float* lg = logits.data() + g * bs;
+          float block_max = ninf;
+          for (int64_t s = 0; s < bs; ++s) block_max = std::max(block_max, lg[s]);
+          if (block_max == ninf) continue;
+          const float new_max = std::max(mx[g], block_max);
+          const float rescale = mx[g] == ninf ? 0.f : exp_nonpositive(mx[g] - new_max);
+          float* a = acc + g * dv;
+          if (rescale != 1.f) {
+            sm[g] *= rescale;
+            for (int64_t i = 0; i < dv; ++i) a[i] *= rescale;
+          }
+          mx[g] = new_max;
+          float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+          for (int64_t s = 0; s < bs; ++s) {
+            const float w = lg[s] == ninf ? 0.f : exp_nonpositive(lg[s] - new_max);
+            lg[s] = w;
+            block_sum += w;
+          }
+          sm[g] += block_sum;
+          for (int64_t s = 0; s < bs; ++s) {
+            const float w = lg[s];
+            if (w == 0.f) continue;
+            const scalar_t* vs = vb + s * dv;
+#pragma omp simd
+            for (int64_t i = 0; i < dv; ++i) a[i] += w * static_cast<float>(vs[i]);
+          }
+        }
+      }
+    }
+  });
+
+  // Merge each head's tasks (consecutive in `tasks`) and write the output rows.
+  int64_t t = 0;
+  std::vector<float> row(dv);
+  for (int64_t h = 0; h < nh; ++h) {
+    const int64_t t0 = t;
+    while (t < n_tasks && tasks[t].first == h) ++t;
+    for (int64_t g = 0; g < groups; ++g) {
+      float m = ninf;
+      for (int64_t u = t0; u < t; ++u) m = std::max(m, t_max[u * groups + g]);
+      float total = 0.f;
+      std::fill(row.begin(), row.end(), 0.f);
+      if (m != ninf) {
+        for (int64_t u = t0; u < t; ++u) {
+          const float mu = t_max[u * groups + g];
+          if (mu == ninf) continue;
+          const float f = std::exp(mu - m);
+          total += f * t_sum[u * groups + g];
+          const float* a = t_acc.data() + (u * groups + g) * dv;
+          for (int64_t i = 0; i < dv; ++i) row[i] += f * a[i];
+        }
+      }
+      scalar_t* dst = out_ptr + (h * groups + g) * dv;  // out (B, Hq, 1, dv)
+      for (int64_t i = 0; i < dv; ++i) dst[i] = static_cast<scalar_t>(row[i] / total);  // 0/0: NaN, as sdpa
+    }
+  }
+}
+
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                        const at::Tensor& bias, const at::Tensor& owner, const at::Tensor& positions,
+                        const c10::optional<at::Tensor>& mask, int64_t num_used, int64_t kv_heads, double scale) {
+  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1, "paged_decode: query must be (B, Hq, 1, d)");
+  TORCH_CHECK(query.is_contiguous() && keys.is_contiguous() && values.is_contiguous() && bias.is_contiguous() &&
+                  owner.is_contiguous() && positions.is_contiguous(),
+              "paged_decode: tensors must be contiguous");
+  TORCH_CHECK(keys.scalar_type() == query.scalar_type() && values.scalar_type() == query.scalar_type() &&
+                  bias.scalar_type() == query.scalar_type(),
+              "paged_decode: query, keys, values and bias must share a dtype");
+  TORCH_CHECK(owner.scalar_type() == at::kLong && positions.scalar_type() == at::kInt,
+              "paged_decode: owner must be int64 and positions int32");
+  TORCH_CHECK(kv_heads > 0 && query.size(1) % kv_heads == 0, "paged_decode: query heads must be a multiple of kv_heads");
+  TORCH_CHECK(keys.size(2) == query.size(3), "paged_decode: keys and query head sizes differ");
+  TORCH_CHECK(num_used >= 0 && num_used <= keys.size(0), "paged_decode: num_used out of range");
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->dim() == 2 && mask->scalar_type() == at::kBool && mask->is_contiguous(),
+                "paged_decode: mask must be a contiguous bool (B or 1, seen) tensor");
+  }
+  at::Tensor out = at::empty({query.size(0), query.size(1), 1, values.size(2)}, query.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+    decode_kernel<scalar_t>(query, keys, values, bias, owner, positions, mask, num_used, kv_heads, scale, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvzap, m) {
+  m.def("paged_decode(Tensor query, Tensor keys, Tensor values, Tensor bias, Tensor owner, Tensor positions, "
+        "Tensor? mask, int num_used, int kv_heads, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvzap, CPU, m) { m.impl("paged_decode", TORCH_FN(paged_decode)); }

@@ -1,0 +1,147 @@
+"""Compiled kernels of the compact cache: a fused paged attention for decoding on CPU.
+
+A decoding step of the compact cache reads, in every layer, the kept pairs of each head from the blocks it owns.
+The generic :func:`~kvzap.paged.attention.paged_attention` does it in ~14 tensor operations whose fixed cost
+(dispatch, allocation, Python) dominates at batch 1 on CPU: ~170 us per layer and step, where reading the pairs
+takes tens of microseconds at 2k tokens. ``csrc/paged_decode.cpp`` does the same computation in one call
+(a split softmax over chunks of each head's blocks, in torch's intra-op threads) and is registered as the torch
+operator ``torch.ops.kvzap.paged_decode``.
+
+It is compiled on first use with :func:`torch.utils.cpp_extension.load_inline` into torch's extension cache
+(``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``): about 30-60 s once per machine and torch version.
+That needs a C++ compiler and ninja (``pip install ninja``). Where either is missing, or the build fails, kvzap
+logs why once and uses the generic path, which computes the same result.
+
+Control:
+
+- ``KVZAP_KERNELS=0`` in the environment, or :func:`set_kernels` ``(False)``, turns the kernel off (no build);
+- :func:`build` compiles now (e.g. in a setup step), and raises if it cannot;
+- :func:`kernel_status` says whether the kernel is in use, and why not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["build", "decode_kernel", "kernel_status", "set_kernels"]
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+_EXTENSION = "kvzap_paged_kernels"
+
+_lock = threading.Lock()
+_enabled: bool | None = None  # None: follow KVZAP_KERNELS (default on)
+_op = None  # the loaded operator
+_error: str | None = None  # why the kernel is not available (set once a build failed)
+
+
+def set_kernels(enabled: bool | None) -> None:
+    """Use the compiled kernels (True), never (False), or as ``KVZAP_KERNELS`` says (None, the default: on
+    unless it is ``0``)."""
+    global _enabled
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"set_kernels expects True, False or None, got {enabled!r}.")
+    _enabled = enabled
+
+
+def _wanted() -> bool:
+    if _enabled is not None:
+        return _enabled
+    return os.environ.get("KVZAP_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _cflags() -> list[str]:
+    flags = ["-O3", "-fopenmp", "-std=c++17"]
+    try:  # vector instructions this machine has (the build is local, and its cache is per source and flags)
+        cpu = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpu = ""
+    if " avx2" in cpu and " fma" in cpu:
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+def _built() -> bool:
+    """Whether a build of the extension is already in torch's extension cache (it may still be rebuilt if the
+    source or flags changed: load_inline decides)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = Path(_get_build_directory(_EXTENSION, verbose=False))
+    except Exception:  # a private helper of torch: without it, say that a build may happen
+        return False
+    return any(folder.glob(f"{_EXTENSION}*.so"))
+
+
+def _load():
+    global _op, _error
+    if hasattr(torch.ops.kvzap, "paged_decode"):
+        _op = torch.ops.kvzap.paged_decode  # already registered in this process
+        return _op
+    from torch.utils.cpp_extension import load_inline
+
+    start = time.perf_counter()
+    if not _built():
+        logger.warning(
+            "Building kvzap's fused CPU decode kernel (once per machine and torch version, about 30-60 s; "
+            "KVZAP_KERNELS=0 skips it and uses the generic path)."
+        )
+    load_inline(
+        _EXTENSION,
+        cpp_sources=[_SOURCE.read_text()],
+        extra_cflags=_cflags(),
+        is_python_module=False,
+        verbose=False,
+    )
+    _op = torch.ops.kvzap.paged_decode
+    logger.info("kvzap's CPU decode kernel is ready (%.1f s)", time.perf_counter() - start)
+    return _op
+
+
+def build():
+    """Compile (or load from the cache) the CPU decode kernel now and return the operator; raises on failure."""
+    global _error
+    with _lock:
+        if _op is not None:
+            return _op
+        try:
+            return _load()
+        except Exception as exc:
+            _error = f"{type(exc).__name__}: {exc}".strip()
+            raise
+
+
+def decode_kernel():
+    """The fused decode operator, or None (kernels turned off, or not buildable here: logged once)."""
+    global _error
+    if _op is not None:
+        return _op if _wanted() else None
+    if not _wanted() or _error is not None:
+        return None
+    with _lock:
+        if _op is not None or _error is not None:
+            return _op
+        try:
+            return _load()
+        except Exception as exc:  # no compiler, no ninja, a failed build: the generic path serves
+            _error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            logger.warning("kvzap's CPU decode kernel is unavailable (%s); using the generic path.", _error)
+            return None
+
+
+def kernel_status() -> str:
+    """``"loaded"``, ``"off"`` (turned off), ``"not built"`` (not needed yet) or ``"unavailable: <why>"``."""
+    if not _wanted():
+        return "off"
+    if _op is not None:
+        return "loaded"
+    if _error is not None:
+        return f"unavailable: {_error}"
+    return "not built"
