@@ -100,9 +100,22 @@ def _load():
         is_python_module=False,
         verbose=False,
     )
+    _register_fake()
     _op = torch.ops.kvzap.paged_decode
     logger.info("kvzap's CPU decode kernel is ready (%.1f s)", time.perf_counter() - start)
     return _op
+
+
+def _register_fake() -> None:
+    """Shapes for tracing (torch.compile, meta tensors): the output is ``(B, Hq, 1, d_v)`` in the query's dtype."""
+
+    def fake(query, keys, values, bias, owner, positions, mask, num_used, kv_heads, scale):
+        return query.new_empty(query.shape[0], query.shape[1], 1, values.shape[-1])
+
+    try:
+        torch.library.register_fake("kvzap::paged_decode", fake)
+    except RuntimeError:  # already registered in this process
+        pass
 
 
 def build():

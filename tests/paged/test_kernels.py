@@ -177,3 +177,11 @@ def test_a_failed_build_falls_back_to_the_generic_path_once_with_a_reason(kernel
     # The compact cache then decodes with the generic path.
     logits, ratio = _decode(tiny_model("llama"))
     assert torch.isfinite(logits[-1]).all() and 0.1 < ratio < 0.9
+
+
+def test_the_operator_has_a_shape_function_for_tracing(op):
+    keys, values = torch.zeros(2, 4, 8, device="meta"), torch.zeros(2, 4, 16, device="meta")
+    bias, owner = torch.zeros(2, 4, device="meta"), torch.zeros(2, dtype=torch.long, device="meta")
+    positions = torch.zeros(2, 4, dtype=torch.int32, device="meta")
+    out = op(torch.zeros(3, 6, 1, 8, device="meta"), keys, values, bias, owner, positions, None, 2, 2, 1.0)
+    assert out.shape == (3, 6, 1, 16) and out.device.type == "meta"
