@@ -484,9 +484,10 @@ class CompactLayer(PrunableLayer, DynamicLayer):
                 attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
             am = attention_mask[:, 0, -q_len:, -self.seen :]  # (B or 1, q, seen)
         nu, pool = self.table.n_used, self.pool
-        if q_len == 1 and self._use_kernel(query):
+        kernel = self._decode_kernel(query) if q_len == 1 else None
+        if kernel is not None:
             mask = None if am is None else am[:, 0].contiguous()  # (B or 1, seen)
-            out = decode_kernel()(
+            out = kernel(
                 query.contiguous(),
                 pool.keys,
                 pool.values,
@@ -515,17 +516,18 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, Hq, q, d)
         return out.transpose(1, 2).contiguous(), None
 
-    def _use_kernel(self, query: torch.Tensor) -> bool:
-        """Whether a decoding step can use the fused CPU kernel (:mod:`kvzap.paged.kernels`): CPU tensors of one
-        dtype, no gradient, and the kernel built (or buildable) here."""
+    def _decode_kernel(self, query: torch.Tensor):
+        """The fused CPU kernel (:mod:`kvzap.paged.kernels`) for a decoding step, or None where it does not apply:
+        CPU tensors of one dtype, no gradient, and the kernel built (or buildable) here."""
         keys = self.pool.keys
-        return (
-            keys is not None
-            and query.device.type == "cpu"
-            and query.dtype == keys.dtype
-            and not (query.requires_grad and torch.is_grad_enabled())
-            and decode_kernel() is not None
-        )
+        if (
+            keys is None
+            or query.device.type != "cpu"
+            or query.dtype != keys.dtype
+            or (query.requires_grad and torch.is_grad_enabled())
+        ):
+            return None
+        return decode_kernel()
 
     # --- snapshots ----------------------------------------------------------------------------------------------
     def _needs_press(self) -> bool:

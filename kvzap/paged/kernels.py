@@ -81,7 +81,7 @@ def _built() -> bool:
 
 
 def _load():
-    global _op, _error
+    global _op
     if hasattr(torch.ops.kvzap, "paged_decode"):
         _op = torch.ops.kvzap.paged_decode  # already registered in this process
         return _op
@@ -118,6 +118,12 @@ def _register_fake() -> None:
         pass
 
 
+def _reason(exc: Exception) -> str:
+    """Why a build failed, in one line (a compiler's log can be long: its first line)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip()
+
+
 def build():
     """Compile (or load from the cache) the CPU decode kernel now and return the operator; raises on failure."""
     global _error
@@ -127,7 +133,7 @@ def build():
         try:
             return _load()
         except Exception as exc:
-            _error = f"{type(exc).__name__}: {exc}".strip()
+            _error = _reason(exc)
             raise
 
 
@@ -144,7 +150,7 @@ def decode_kernel():
         try:
             return _load()
         except Exception as exc:  # no compiler, no ninja, a failed build: the generic path serves
-            _error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            _error = _reason(exc)
             logger.warning("kvzap's CPU decode kernel is unavailable (%s); using the generic path.", _error)
             return None
 
