@@ -21,7 +21,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import load, meta, prefill_and_decode, sweep, write_results
+from benchmarks.common import HEAP_RELEASE, load, meta, prefill_and_decode, sweep, write_results
 from benchmarks.outside import model_storage_keys, reachable_bytes
 from kvzap import DMSThresholdPress, KVzapScorer, RandomScorer
 from kvzap.heap import set_heap_release
@@ -71,12 +71,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--peak-memory", choices=MODES, default=None, help="one run of one mode, peak RSS")
     parser.add_argument(
-        "--no-heap-release", action="store_true", help="keep freed host memory in the allocator (kvzap.heap)"
+        "--heap-release",
+        choices=list(HEAP_RELEASE),
+        default="pages",
+        help="how dropped host memory goes back to the system (kvzap.heap; see benchmarks/common.py HEAP_RELEASE)",
     )
     parser.add_argument("--json", default=None, help="where to write the results")
     args = parser.parse_args(argv)
-    if args.no_heap_release:
-        set_heap_release(None)
+    if args.heap_release != "pages":
+        set_heap_release(**HEAP_RELEASE[args.heap_release])
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model, args.device, args.dtype)

@@ -9,9 +9,9 @@ Three measures, none of them asks kvzap (``benchmarks/outside.py``):
    that point. The largest difference is the peak KV-related memory.
 3. **Peak RSS** of a whole job (``--rss-prompt`` prefill + ``--rss-decode`` decoded tokens), one fresh process per
    run (``bench_decode.py --peak-memory``), median of ``--rss-runs`` processes per mode: no press, kvzap compact,
-   kvzap compact without giving freed pages back (``kvzap.heap``); then no press and kvzap compact again under
-   ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc maps every tensor of 64 KiB or more on its own and unmaps it when freed,
-   so RSS follows the live tensors: the comparison without the heap's fragmentation).
+   kvzap compact giving freed memory back by heap trims only, and not at all (``kvzap.heap``); then no press and
+   kvzap compact again under ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc maps every tensor of 64 KiB or more on its
+   own and unmaps it when freed, so RSS follows the live tensors: the comparison without the heap's fragmentation).
 
     python -m benchmarks.bench_memory --model ~/.cache/kvzap/models/SmolLM2-135M-Instruct --prefill 2048 8192 \
         --threshold -3.4 --decode 64 --rss-runs 5 --json benchmarks/results/memory.json
@@ -77,8 +77,11 @@ def measure(model, prompt: torch.Tensor, mode: str, baseline: dict[int, int], ar
 RSS_VARIANTS = {
     "none": ("none", [], {}),
     "compact": ("compact", [], {}),
-    # The same without giving freed pages back to the system (kvzap.heap): what glibc alone does.
-    "compact_no_heap_release": ("compact", ["--no-heap-release"], {}),
+    # The same giving freed memory back by heap trims only (session 6's kvzap.heap), and not at all: what glibc
+    # alone does.
+    "compact_trim_only": ("compact", ["--heap-release", "trim"], {}),
+    "compact_trim_every_layer": ("compact", ["--heap-release", "trim_every_layer"], {}),
+    "compact_no_heap_release": ("compact", ["--heap-release", "off"], {}),
 }
 # glibc serving every allocation of 64 KiB or more with its own mapping, unmapped on free: RSS then follows the live
 # tensors, without the heap's fragmentation (the same runs under an allocator that returns freed memory at once).

@@ -35,6 +35,17 @@ SMOLLM2_135M = dict(
 )
 
 
+# How dropped host memory goes back to the system (kvzap.heap.set_heap_release): the default (the dropped pairs'
+# own pages, and a heap trim when resident memory outgrows the pools by 32 MiB), trims only, a trim after every
+# layer (session 6), or nothing (freed memory stays in the allocator).
+HEAP_RELEASE = {
+    "pages": {},
+    "trim": {"pages": False},
+    "trim_every_layer": {"min_bytes": 0, "pages": False},
+    "off": {"min_bytes": None, "pages": False},
+}
+
+
 def load(path: str | None, device: str = "cpu", dtype: str = "float32"):
     """``(model, tokenizer or None)``: a local model directory, or the random SmolLM2-sized Llama."""
     torch_dtype = getattr(torch, dtype)

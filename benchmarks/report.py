@@ -39,10 +39,15 @@ def _rss_lines(memory: dict) -> list[str]:
             f"{'lower' if saved >= 0 else 'higher'}** (goal: lower by >= 0.8 x evicted x full KV = {goal:.0f} MB: "
             f"{'met' if saved >= goal else 'not met'})."
         )
+        if "compact_trim_only" in rss:
+            text += (
+                " kvzap compact giving freed memory back by heap trims only "
+                f"(`kvzap.heap.set_heap_release(pages=False)`): {_runs(rss['compact_trim_only'])}."
+            )
         if "compact_no_heap_release" in rss:
             text += (
-                f" kvzap compact without giving freed pages back to the system (`kvzap.heap.set_heap_release(None)`): "
-                f"{_runs(rss['compact_no_heap_release'])}."
+                " kvzap compact without giving freed memory back to the system "
+                f"(`kvzap.heap.set_heap_release(None, pages=False)`): {_runs(rss['compact_no_heap_release'])}."
             )
         lines += ["", text]
     return lines

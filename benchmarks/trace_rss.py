@@ -2,7 +2,7 @@
 
 A diagnostic for the peak-RSS figures of ``bench_memory.py``: where the process's memory grows, layer by layer.
 Run it in a fresh process per mode (the allocator's state is the process's), with and without
-``MALLOC_MMAP_THRESHOLD_=65536`` or ``--no-heap-release`` to tell the allocator from the tensors::
+``MALLOC_MMAP_THRESHOLD_=65536`` or ``--heap-release off`` to tell the allocator from the tensors::
 
     python -m benchmarks.trace_rss --model ~/.cache/kvzap/models/SmolLM2-135M-Instruct --mode compact \
         --prefill 8192 --threshold -3.4
@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from benchmarks.common import load, peak_rss_mb, prefill_and_decode, prompt_ids, resident_mb
+from benchmarks.common import HEAP_RELEASE, load, peak_rss_mb, prefill_and_decode, prompt_ids, resident_mb
 from kvzap import DMSThresholdPress, KVzapScorer, RandomScorer
 from kvzap.heap import set_heap_release
 
@@ -32,11 +32,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode", type=int, default=1, help="greedy tokens decoded after the prefill (at least 1)")
     parser.add_argument("--threshold", type=float, default=-3.4)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-heap-release", action="store_true", help="keep freed memory in the allocator")
+    parser.add_argument(
+        "--heap-release",
+        choices=list(HEAP_RELEASE),
+        default="pages",
+        help="how dropped host memory goes back to the system (kvzap.heap; see benchmarks/common.py HEAP_RELEASE)",
+    )
     parser.add_argument("--json", default=None, help="where to write the trace")
     args = parser.parse_args(argv)
-    if args.no_heap_release:
-        set_heap_release(None)
+    if args.heap_release != "pages":
+        set_heap_release(**HEAP_RELEASE[args.heap_release])
     torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model)
     prompt = prompt_ids(tokenizer, args.prefill, model.config.vocab_size)

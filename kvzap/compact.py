@@ -60,7 +60,7 @@ from torch import nn
 
 from kvzap._compat import DynamicLayer, crop_count
 from kvzap.cache import PrunableLayer, prunable_layer_like
-from kvzap.heap import release_freed
+from kvzap.heap import release_freed, release_pages
 from kvzap.paged.attention import paged_attention
 from kvzap.paged.kernels import decode_kernel
 from kvzap.paged.pool import BlockPool
@@ -257,9 +257,15 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         """End of the press's post-hook: pairs of a first forward that no eviction wrote go into the pool now."""
         super().end_forward()
         if self._dense is not None:
-            nbytes = sum(t.nbytes for t in self._dense)
+            dense = list(self._dense)
+            nbytes = sum(t.nbytes for t in dense)
+            before = sum(t.nbytes for t in self.pool.tensors())
             self._write_dense()
-            release_freed(nbytes, self.device)  # the prompt's dense pairs are gone: give their pages back
+            kept = sum(t.nbytes for t in self.pool.tensors()) - before
+            # The prompt's dense pairs are gone: give their pages back to the system (``dense`` holds their last
+            # references), and trim the heap if resident memory outgrew the pool kept (kvzap.heap).
+            release_pages(dense)
+            release_freed(nbytes, self.device, kept)
 
     def _reset_transient(self) -> None:
         super()._reset_transient()

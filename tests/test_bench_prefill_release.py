@@ -1,0 +1,33 @@
+"""``benchmarks/bench_prefill_release.py`` end to end on a tiny model: every mode timed, the JSON written, and the
+library's heap-release setting restored afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import kvzap.heap as heap
+from benchmarks import bench_prefill_release as bench
+from kvzap import DMSThresholdPress, RandomScorer
+from tests.conftest import tiny_model
+
+
+def test_prefill_release_benchmark_end_to_end(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "load", lambda path: (tiny_model("llama", hidden_size=256, intermediate_size=256), None))
+    monkeypatch.setattr(bench, "make_press", lambda args: DMSThresholdPress(RandomScorer(seed=0), threshold=0.0))
+    seen = []
+    real = bench.set_heap_release
+    monkeypatch.setattr(bench, "set_heap_release", lambda *a, **k: seen.append(k) or real(*a, **k))
+    out = tmp_path / "prefill.json"
+    argv = ["--prefill", "300", "--runs", "2", "--threads", str(torch.get_num_threads()), "--json", str(out)]
+    results = bench.main(argv)
+    (row,) = results
+    assert set(row["runs_s"]) == set(bench.MODES)
+    assert all(len(v) == 2 and all(t > 0 for t in v) for v in row["runs_s"].values())
+    assert row["ratio_to_none"]["none"] == 1.0
+    assert json.loads(out.read_text())["results"] == results
+    # Every kvzap mode set its way, and the default came back after each.
+    assert {"pages": False} in seen and {"min_bytes": None, "pages": False} in seen
+    assert seen[-1] == {}
+    assert heap._pages is True and heap._min_bytes == heap._DEFAULT_MIN_BYTES
