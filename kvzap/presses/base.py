@@ -211,7 +211,7 @@ class BasePress(ABC):
         return self._local.calls
 
     @property
-    def _stats(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def _stats(self) -> dict[int, tuple[torch.Tensor, torch.Tensor | int]]:
         """Statistics of the last forward the calling thread ran under this press, per layer."""
         return self._local.stats
 
@@ -303,12 +303,15 @@ class BasePress(ABC):
         )
 
     def _record(self, layer_idx: int, layer: PrunableLayer) -> None:
-        """Keep the layer's ``(B, H)`` evicted counts and ``(B,)`` real tokens, padding taken off both."""
-        n_evicted, real = layer.n_evicted, torch.full((layer.n_evicted.shape[0],), float(layer.seen))
+        """Keep the layer's ``(B, H)`` evicted counts and ``(B,)`` real tokens, padding taken off both (without
+        padding, the tokens seen as an int: a decoding step records every layer, and the tensor is built only when
+        the statistics are read)."""
         pads = layer.press_state.get(_PADS)
-        if pads is not None:
-            n_evicted = n_evicted - layer.press_state[_PAD_EVICTED]
-            real = real.to(pads.device) - pads
+        if pads is None:
+            self._stats[layer_idx] = (layer.n_evicted, layer.seen)
+            return
+        n_evicted = layer.n_evicted - layer.press_state[_PAD_EVICTED]
+        real = torch.full((n_evicted.shape[0],), float(layer.seen), device=pads.device) - pads
         self._stats[layer_idx] = (n_evicted, real)
 
     def _require_stats(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -320,7 +323,13 @@ class BasePress(ABC):
                 "use a sliding window (their memory is bounded already): pass prune_sliding_layers=True to prune "
                 "them."
             )
-        return [self._stats[i] for i in sorted(self._stats)]
+        stats = []
+        for i in sorted(self._stats):
+            n_evicted, real = self._stats[i]
+            if not isinstance(real, torch.Tensor):
+                real = torch.full((n_evicted.shape[0],), float(real))
+            stats.append((n_evicted, real))
+        return stats
 
     @property
     def layer_compression_ratios(self) -> torch.Tensor:

@@ -123,7 +123,9 @@ class DMSThresholdPress(BasePress):
             return None  # a new sequence (its layer state is empty)
         unscored = state.get("unscored", ())
         n_pending = 0 if pending is None else pending.shape[-1]
-        n_unscored = sum(h.shape[1] for h, _, _ in unscored)
+        n_unscored = state.get("n_unscored")  # kept beside ``unscored`` (counting it costs a loop every step)
+        if n_unscored is None:
+            n_unscored = sum(h.shape[1] for h, _, _ in unscored)
         if start + n_pending + n_unscored < end:
             return None  # tokens went by unscored (decoding was off): they stay kept
         if min(start, end) > max(end - self.sliding_window_size, 0):
@@ -208,7 +210,7 @@ class DMSThresholdPress(BasePress):
             # window, and a batch is scored before that.
             scores = self._score(module, layer, unscored, first=start + n_pending)
             pending = scores if pending is None else torch.cat([pending, scores], dim=-1)  # (B, H, p + q)
-            unscored, n_pending = (), pending.shape[-1]
+            unscored, n_pending, n_unscored = (), pending.shape[-1], 0
 
         if n_leaving > 0:
             # These tokens leave the window now: decide their fate once and for all.
@@ -216,6 +218,7 @@ class DMSThresholdPress(BasePress):
             pending, start = pending[..., n_leaving:], start + n_leaving
         state = layer.press_state
         state["pending"], state["pending_start"], state["unscored"] = pending, start, unscored
+        state["n_unscored"] = n_unscored
 
     def _score(self, module: nn.Module, layer: PrunableLayer, unscored: tuple, first: int) -> torch.Tensor:
         """Scores ``(B, H, q)`` of the buffered new pairs, at absolute positions ``first ..``.
