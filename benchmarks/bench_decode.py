@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--json", default=None, help="where to write the results")
     args = parser.parse_args(argv)
-    if args.heap_release != "pages":
-        set_heap_release(**HEAP_RELEASE[args.heap_release])
+    set_heap_release(**HEAP_RELEASE[args.heap_release])
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model, args.device, args.dtype)

@@ -16,6 +16,7 @@ Peak RSS of the same modes: ``bench_memory.py --rss-variants``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import time
@@ -36,18 +37,13 @@ def make_press(args) -> DMSThresholdPress:
 
 def one_run(model, mode: str, ids: torch.Tensor, press) -> float:
     """Seconds of one prefill of ``ids`` in ``mode``."""
-    cache = DynamicCache(config=model.config)
-    kwargs = {cache_kwarg(model): cache}
+    kwargs = {cache_kwarg(model): DynamicCache(config=model.config)}
     gc.collect()
-    try:
-        if mode == "none":
-            start = time.perf_counter()
-            with torch.no_grad():
-                model(ids, **kwargs)
-            return time.perf_counter() - start
+    if mode != "none":
         set_heap_release(**HEAP_RELEASE[mode])
+    try:
         start = time.perf_counter()
-        with torch.no_grad(), press(model):
+        with torch.no_grad(), press(model) if mode != "none" else contextlib.nullcontext():
             model(ids, **kwargs)
         return time.perf_counter() - start
     finally:

@@ -44,8 +44,6 @@ _min_bytes: int | None = _DEFAULT_MIN_BYTES
 _pending = 0  # dropped bytes since the last trim (without /proc)
 _floor: int | None = None  # lowest anonymous resident bytes since the last trim, net of the pools kept since
 _kept = 0  # pool bytes kept since the last trim
-_trim = None  # the C function once looked up; False when the platform has none
-_madvise = None  # likewise
 _pages = True  # release_pages on (set_heap_release)
 _MADV_DONTNEED = 4  # Linux
 _MIN_PAGES_BYTES = 64 * 1024  # smaller tensors: not worth a system call
@@ -68,42 +66,35 @@ def set_heap_release(min_bytes: int | None = _DEFAULT_MIN_BYTES, *, pages: bool 
     ValueError
         When ``min_bytes`` is negative or not an integer.
     """
-    global _min_bytes, _pending
+    global _min_bytes, _pending, _pages, _floor, _kept
     if min_bytes is not None and (isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0):
         raise ValueError(f"min_bytes must be a non-negative integer or None, got {min_bytes!r}.")
     if not isinstance(pages, bool):
         raise ValueError(f"pages must be True or False, got {pages!r}.")
-    global _pages, _floor, _kept
     with _lock:
         _min_bytes, _pending, _pages, _floor, _kept = min_bytes, 0, pages, None, 0
 
 
+@functools.cache
+def _libc_function(name: str, argtypes: tuple, restype, glibc_only: bool = False):
+    """The C library's function ``name`` with its signature set, looked up once; None off Linux (or off glibc when
+    ``glibc_only``) or where the library lacks it."""
+    if platform.system() != "Linux" or (glibc_only and platform.libc_ver()[0] != "glibc"):
+        return None
+    try:
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes, function.restype = list(argtypes), restype
+    return function
+
+
 def _malloc_trim():
-    global _trim
-    if _trim is None:
-        _trim = False
-        if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-            try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-                _trim = libc.malloc_trim
-                _trim.argtypes, _trim.restype = [ctypes.c_size_t], ctypes.c_int
-            except (OSError, AttributeError):
-                _trim = False
-    return _trim
+    return _libc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int, glibc_only=True)
 
 
 def _libc_madvise():
-    global _madvise
-    if _madvise is None:
-        _madvise = False
-        if platform.system() == "Linux":
-            try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-                _madvise = libc.madvise
-                _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-            except (OSError, AttributeError):
-                _madvise = False
-    return _madvise
+    return _libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int)
 
 
 def _holders(tensor: torch.Tensor) -> tuple:
