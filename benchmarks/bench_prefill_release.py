@@ -4,8 +4,9 @@ One process, the model loaded once, ``--runs`` runs of every mode alternating (s
 alike), medians and ratios against no press measured in the same run. Modes: ``none`` (no press), and kvzap
 compact with each way of ``benchmarks.common.HEAP_RELEASE``: ``pages`` (the default: the dropped pairs' own
 pages, and a heap trim when resident memory outgrows the pools by 32 MiB), ``trim`` (the same trims, no pages),
-``trim_every_layer`` (session 6), ``off`` (freed memory stays in the allocator). Prefill only (``model(ids)``
-with a cache), DMS threshold press with the bundled KVzap-MLP::
+``trim_every_layer`` (session 6), ``off`` (freed memory stays in the allocator). Prefill only
+(``model(ids, logits_to_keep=1)`` with a cache, as ``generate`` prefills: full logits would add a vocabulary-sized
+matmul per token that dilutes the ratios), DMS threshold press with the bundled KVzap-MLP::
 
     python -m benchmarks.bench_prefill_release --model ~/.cache/kvzap/models/SmolLM2-135M-Instruct \
         --prefill 2048 8192 --runs 3 --json benchmarks/results/prefill_release.json
@@ -44,7 +45,7 @@ def one_run(model, mode: str, ids: torch.Tensor, press) -> float:
     try:
         start = time.perf_counter()
         with torch.no_grad(), press(model) if mode != "none" else contextlib.nullcontext():
-            model(ids, **kwargs)
+            model(ids, logits_to_keep=1, **kwargs)  # as generate prefills: the last position's logits only
         return time.perf_counter() - start
     finally:
         set_heap_release()

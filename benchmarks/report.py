@@ -53,6 +53,31 @@ def _rss_lines(memory: dict) -> list[str]:
     return lines
 
 
+def _prefill_release_lines(bench: dict | None) -> list[str]:
+    """Prefill time of kvzap's ways of giving freed memory back against no press (``prefill_release.json``)."""
+    if not bench:
+        return []
+    names = {
+        "pages": "kvzap (default: pages + RSS-triggered trims)",
+        "trim": "trims only",
+        "trim_every_layer": "a trim after every layer",
+        "off": "no release",
+    }
+    lines = [
+        "",
+        f"Prefill only (`benchmarks/bench_prefill_release.py`, `logits_to_keep=1` as `generate` prefills), median of "
+        f"{bench['meta']['runs']} runs, ratio to no press in the same run (goal for kvzap: <= 1.05x):",
+        "",
+    ]
+    for row in bench["results"]:
+        ratios = row["ratio_to_none"]
+        parts = [f"no press {row['median_s']['none']:.2f} s"] + [
+            f"{names.get(mode, mode)} {ratio:.3f}x" for mode, ratio in ratios.items() if mode != "none"
+        ]
+        lines.append(f"- {row['prefill_tokens']} tokens: " + ", ".join(parts))
+    return lines
+
+
 def report(directory: Path) -> str:
     kvzap, kvpress = _load(directory, "kvzap.json"), _load(directory, "kvpress.json")
     lines = []
@@ -102,6 +127,7 @@ def report(directory: Path) -> str:
                 f"{r['compact_prefill_s'] / r['none_prefill_s']:.2f}x"
             )
     lines += _overhead_lines(_load(directory, "overhead.json"), _load(directory, "overhead_prompt_only.json"))
+    lines += _prefill_release_lines(_load(directory, "prefill_release.json"))
     peaks = {mode: _load(directory, f"peak_{mode}.json") for mode in ("none", "compact", "compact_chunked", "kvpress")}
     if any(peaks.values()):
         rows = {mode: peak["results"][0] for mode, peak in peaks.items() if peak}

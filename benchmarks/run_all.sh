@@ -30,6 +30,9 @@ if [ "$PART" != memory ]; then  # speed: decoding, prefill, scorers, the collect
     --modes none compact --json "$OUT/overhead.json"
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 256 --threshold="$TAU" --decode 64 --runs "$RUNS" \
     --modes none compact --no-decoding --json "$OUT/overhead_prompt_only.json"
+# Prefill only, as generate prefills: what giving freed memory back costs (kvzap.heap's ways against none).
+"$PY" -m benchmarks.bench_prefill_release --model "$MODEL" --threads "$THREADS" --prefill 2048 8192 --threshold="$TAU" \
+    --modes none pages trim_every_layer off --runs "$KVPRESS_RUNS" --json "$OUT/prefill_release.json"
 "$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 64 --runs "$KVPRESS_RUNS" \
     --json "$OUT/kvpress.json"
 # Ragged batch: 8 prompts of 1k-4k tokens, 64 decoded tokens each, one at a time vs batched (no press, kvzap)

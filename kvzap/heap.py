@@ -42,7 +42,7 @@ _DEFAULT_MIN_BYTES = 32 * 2**20
 _lock = threading.Lock()
 _min_bytes: int | None = _DEFAULT_MIN_BYTES
 _pending = 0  # dropped bytes since the last trim (without /proc)
-_floor: int | None = None  # lowest anonymous resident bytes since the last trim, net of the pools kept since
+_floor: int | None = None  # lowest anonymous resident bytes at a release since the last trim, net of pools kept since
 _kept = 0  # pool bytes kept since the last trim
 _pages = True  # release_pages on (set_heap_release)
 _MADV_DONTNEED = 4  # Linux
@@ -203,4 +203,7 @@ def release_freed(nbytes: int, device: torch.device | str, kept: int = 0) -> Non
                 return
     trim_heap()
     with _lock:
-        _floor, _kept = _rss_anon(), 0
+        # The next reading sets the floor, not this one: between the trim and the next release, the caller's working
+        # set (a layer's activations) faults its pages back in. A floor taken right after the trim would count that
+        # working set as growth and trim again at every layer (5 ms each, plus the page faults, at 2k tokens).
+        _floor, _kept = None, 0

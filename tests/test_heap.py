@@ -71,14 +71,20 @@ def test_release_trims_when_resident_memory_outgrows_the_pools(monkeypatch):
     anon[0] = 1100
     heap.release_freed(50, "cpu", kept=0)  # 200 above the lowest point, nothing kept: trim
     assert calls == [1100]
-    anon[0] = 1150
-    heap.release_freed(50, "cpu", kept=0)  # the floor restarted at the trim's reading
+    anon[0] = 1180
+    heap.release_freed(50, "cpu", kept=0)  # the first reading after the trim sets the floor: the working set that
+    assert calls == [1100]  # faulted back in since the trim is not growth
+    anon[0] = 1250
+    heap.release_freed(50, "cpu", kept=0)
     assert calls == [1100]
+    anon[0] = 1300
+    heap.release_freed(50, "cpu", kept=0)  # 120 above the new floor: trim
+    assert calls == [1100, 1300]
     heap.release_freed(10**9, "meta")  # not host memory
     heap.set_heap_release(None)
     anon[0] = 10**12
     heap.release_freed(10**9, "cpu")
-    assert calls == [1100]
+    assert calls == [1100, 1300]
 
 
 def test_without_proc_the_trim_follows_the_dropped_bytes(monkeypatch):

@@ -38,6 +38,24 @@ def test_the_report_judges_the_peak_rss_under_each_allocator(tmp_path):
     assert "**150 MB lower**" in mmap and "192 MB: not met" in mmap
 
 
+def test_the_report_gives_the_prefill_cost_of_each_release_way(tmp_path):
+    bench = {
+        "meta": {"runs": 3},
+        "results": [
+            {
+                "prefill_tokens": 2048,
+                "median_s": {"none": 4.0, "pages": 4.1, "off": 4.0},
+                "ratio_to_none": {"none": 1.0, "pages": 1.025, "off": 1.0},
+            }
+        ],
+    }
+    (tmp_path / "prefill_release.json").write_text(json.dumps(bench))
+    (line,) = [line for line in report(tmp_path).splitlines() if line.startswith("- 2048 tokens")]
+    assert line == (
+        "- 2048 tokens: no press 4.00 s, kvzap (default: pages + RSS-triggered trims) 1.025x, no release 1.000x"
+    )
+
+
 def test_the_second_model_section_reads_every_gemma_run_and_judges_the_collection(tmp_path):
     def row(n, none_prefill_mb, none_mb, kvzap_mb, none_tok, kvzap_tok):
         return {
