@@ -136,10 +136,14 @@ def medians(samples: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
 
 
+_PAIRED = ("decode_tok_s", "prefill_s")  # timed figures whose per-run values and ratios sweep() keeps
+
+
 def sweep(model, tokenizer, args, modes: Sequence[str], one_run: Callable) -> list[dict]:
     """For every ``args.prefill`` length, ``args.runs`` runs of every mode (alternating, so that machine noise
-    hits them alike) reduced to medians; with ``args.peak_memory``, one run of that mode (run it in a fresh
-    process: the peak is the process's)."""
+    hits them alike) reduced to medians, with the timed figures' per-run values and, against ``none``, each run's
+    ratio and their median (robust to drift across runs, which the ratio of the medians is not); with
+    ``args.peak_memory``, one run of that mode (run it in a fresh process: the peak is the process's)."""
     results = []
     for n_tokens in args.prefill:
         prompt = prompt_ids(tokenizer, n_tokens, model.config.vocab_size)
@@ -162,6 +166,13 @@ def sweep(model, tokenizer, args, modes: Sequence[str], one_run: Callable) -> li
         row = {"prefill_tokens": n_tokens, "full_kv_bytes": full_kv_bytes(model, n_tokens)}
         for mode in modes:
             row.update({f"{mode}_{key}": value for key, value in medians(samples[mode]).items()})
+            row.update({f"{mode}_{key}_runs": [s[key] for s in samples[mode]] for key in _PAIRED})
+        if "none" in modes:  # each run's own ratio to no press (the modes alternate inside a run), and their median
+            for mode in modes:
+                for key in _PAIRED:
+                    ratios = [s[key] / base[key] for s, base in zip(samples[mode], samples["none"], strict=True)]
+                    row[f"{mode}_{key}_ratio_runs"] = ratios
+                    row[f"{mode}_{key}_ratio"] = statistics.median(ratios)
         results.append(row)
     return results
 

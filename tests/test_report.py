@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import torch
+
+from benchmarks.common import sweep
 from benchmarks.report import report
 
 
@@ -90,3 +94,32 @@ def test_the_second_model_section_reads_every_gemma_run_and_judges_the_collectio
     (text,) = [line for line in lines if line.startswith("KVzip+ target collection on Gemma")]
     assert "layers 5, 11, 17 scored" in text and "kvzip_plus_collection 6.40 s (1.60x)" in text
     assert text.endswith("goal: collection <= 1.5x the plain forward: not met).")
+
+
+def test_the_decode_sweep_keeps_each_runs_ratio_and_the_report_uses_their_median(tmp_path):
+    """Machine noise that drifts across runs moves both modes of a run alike: the median of each run's ratio sees
+    through it where the ratio of the medians does not (here 2.0x against 1.5x)."""
+    config = SimpleNamespace(vocab_size=100, num_hidden_layers=2, num_key_value_heads=1, head_dim=4)
+    model = SimpleNamespace(config=config, dtype=torch.float32)
+    speed = {"none": iter([10.0, 4.0, 2.0]), "compact": iter([20.0, 8.0, 4.0])}  # the machine slows down run by run
+
+    def one_run(model, mode, prompt, args):
+        rate = next(speed[mode])
+        return {"prefill_s": 1.0 / rate, "decode_tok_s": rate, "evicted_share": 0.5 if mode == "compact" else 0.0}
+
+    args = SimpleNamespace(prefill=[16], runs=3, peak_memory=None)
+    (row,) = sweep(model, None, args, ["none", "compact"], one_run)
+    assert row["compact_decode_tok_s_runs"] == [20.0, 8.0, 4.0]
+    assert row["compact_decode_tok_s_ratio_runs"] == [2.0, 2.0, 2.0]
+    assert row["compact_decode_tok_s_ratio"] == 2.0 and row["compact_prefill_s_ratio"] == 0.5
+    assert row["compact_decode_tok_s"] / row["none_decode_tok_s"] == 2.0  # medians 8 / 4: here the same
+    # The report reads the paired ratios when the file has them.
+    row["compact_decode_tok_s"] = 12.0  # a ratio of medians (3.0x) the report must not print
+    row.update(compact_evicted_share=0.5, compact_kv_bytes_after_prefill=1, masked_kv_bytes_after_prefill=1)
+    meta = {"model": "m", "dtype": "float32", "threads": 2, "threshold": -3.4, "window": 128}
+    meta.update(decoding_pruning=True, decode_tokens=64, runs=3, torch="2", transformers="5")
+    (tmp_path / "kvzap.json").write_text(json.dumps({"meta": meta, "results": [row]}))
+    text = report(tmp_path)
+    assert "the median of each run's ratio" in text
+    (line,) = [line for line in text.splitlines() if line.startswith("| 16 |")]
+    assert "| **2.00x** |" in line and line.endswith("| 0.50x |")
