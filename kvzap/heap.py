@@ -176,8 +176,9 @@ def _rss_anon() -> int | None:
 
 def release_freed(nbytes: int, device: torch.device | str, kept: int = 0) -> None:
     """Note that a layer just dropped ``nbytes`` of KV pairs on ``device`` and kept ``kept`` bytes (its new pool);
-    trim the heap when the process's anonymous resident memory has outgrown what was kept since the last trim by
-    more than ``min_bytes`` (see :func:`set_heap_release`).
+    trim the heap when the process's anonymous resident memory, net of what was kept since the last trim, has risen
+    more than ``min_bytes`` above its lowest reading at a release since then (see :func:`set_heap_release`). The
+    first reading after a trim sets that floor: it includes the working set faulted back in since the trim.
 
     Resident memory that grows by more than the pools is freed memory the allocator keeps (fragmentation): a
     trim returns it. While the heap reuses its free chunks, nothing is trimmed and later allocations find their

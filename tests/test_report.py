@@ -60,6 +60,20 @@ def test_the_report_gives_the_prefill_cost_of_each_release_way(tmp_path):
     )
 
 
+def test_the_prefill_cost_says_when_its_ratios_are_each_runs(tmp_path):
+    row = {
+        "prefill_tokens": 2048,
+        "median_s": {"none": 4.0, "pages": 4.4},
+        "ratio_runs": {"none": [1.0, 1.0, 1.0], "pages": [1.0, 1.02, 1.3]},
+        "ratio_to_none": {"none": 1.0, "pages": 1.02},
+        "ratio_of_medians": {"none": 1.0, "pages": 1.1},
+    }
+    (tmp_path / "prefill_release.json").write_text(json.dumps({"meta": {"runs": 3}, "results": [row]}))
+    text = report(tmp_path)
+    assert "median of 3 runs, the median of each run's ratio to no press" in text
+    assert "pages + RSS-triggered trims) 1.020x" in text
+
+
 def test_the_second_model_section_reads_every_gemma_run_and_judges_the_collection(tmp_path):
     def row(n, none_prefill_mb, none_mb, kvzap_mb, none_tok, kvzap_tok):
         return {
