@@ -324,26 +324,8 @@ def check_weights_header(
             f"The weights in {source!r} hold {len(header)} tensors, but its config describes a {module_name} with "
             f"{expected_count}. The config and the weights must come from the same checkpoint."
         )
-    expected = expected_shapes()
-    missing = [name for name in expected if name not in header]
-    unexpected = [name for name in header if name not in expected]
-    mismatched = [
-        f"{name}: {header[name][1]} in the file, {tuple(shape)} expected"
-        for name, shape in expected.items()
-        if name in header and header[name][1] != tuple(shape)
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {_format_list(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {_format_list(unexpected)}")
-    if mismatched:
-        problems.append(f"shape mismatches: {_format_list(mismatched)}")
-    if problems:
-        raise ValueError(
-            f"The weights in {source!r} do not match the {module_name} described by its config "
-            f"({'; '.join(problems)}). The config and the weights must come from the same checkpoint."
-        )
+    found = {name: tuple(entry[1]) for name, entry in header.items()}
+    _check_shapes(found, expected_shapes(), source, module_name)
     wrong = sorted({dtype for dtype, _ in header.values() if dtype not in _FLOAT_DTYPES})
     if wrong:
         raise ValueError(
@@ -412,6 +394,30 @@ def _format_list(items: Sequence[str], limit: int = 10) -> str:
     return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
 
 
+def _check_shapes(found: dict, expected: dict, source: str, module_name: str) -> None:
+    """Raise one ValueError listing every missing name, unexpected name and shape mismatch between the tensors
+    ``found`` in a file and those ``expected`` (both ``name -> shape``)."""
+    missing = [name for name in expected if name not in found]
+    unexpected = [name for name in found if name not in expected]
+    mismatched = [
+        f"{name}: {found[name]} in the file, {tuple(shape)} expected"
+        for name, shape in expected.items()
+        if name in found and found[name] != tuple(shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_format_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_format_list(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {_format_list(mismatched)}")
+    if problems:
+        raise ValueError(
+            f"The weights in {source!r} do not match the {module_name} described by its config "
+            f"({'; '.join(problems)}). The config and the weights must come from the same checkpoint."
+        )
+
+
 def load_state_dict_strict(
     module: nn.Module, state_dict: Mapping[str, torch.Tensor], source: str, *, assign: bool = False
 ) -> None:
@@ -434,24 +440,10 @@ def load_state_dict_strict(
     ValueError
         Listing every missing key, unexpected key and shape mismatch.
     """
-    expected = module.state_dict()
-    missing = [name for name in expected if name not in state_dict]
-    unexpected = [name for name in state_dict if name not in expected]
-    mismatched = [
-        f"{name}: {tuple(state_dict[name].shape)} in the file, {tuple(tensor.shape)} expected"
-        for name, tensor in expected.items()
-        if name in state_dict and state_dict[name].shape != tensor.shape
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {_format_list(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {_format_list(unexpected)}")
-    if mismatched:
-        problems.append(f"shape mismatches: {_format_list(mismatched)}")
-    if problems:
-        raise ValueError(
-            f"The weights in {source!r} do not match the {type(module).__name__} described by its config "
-            f"({'; '.join(problems)}). The config and the weights must come from the same checkpoint."
-        )
+    _check_shapes(
+        {name: tuple(tensor.shape) for name, tensor in state_dict.items()},
+        {name: tensor.shape for name, tensor in module.state_dict().items()},
+        source,
+        type(module).__name__,
+    )
     module.load_state_dict(state_dict, strict=True, assign=assign)
