@@ -26,7 +26,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from benchmarks.common import HEAP_RELEASE, cache_kwarg, load, meta, prompt_ids, write_results
+from benchmarks.common import HEAP_RELEASE, cache_kwarg, load, meta, prompt_ids, run_ratios, write_results
 from kvzap import DMSThresholdPress, KVzapScorer
 from kvzap.heap import set_heap_release
 
@@ -79,11 +79,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"  {n_tokens} tokens, run {run}, {mode}: {runs[mode][-1]:.2f} s", flush=True)
         medians = {mode: statistics.median(values) for mode, values in runs.items()}
         row = {"prefill_tokens": n_tokens, "runs_s": runs, "median_s": medians}
-        # Each run's own ratio (the modes alternate inside a run, so a slow stretch of the machine hits both), and
-        # their median: robust to drift across runs, which the ratio of the two medians is not.
-        row["ratio_runs"] = {
-            mode: [t / b for t, b in zip(runs[mode], runs["none"], strict=True)] for mode in args.modes
-        }
+        row["ratio_runs"] = {mode: run_ratios(runs[mode], runs["none"]) for mode in args.modes}
         row["ratio_to_none"] = {mode: statistics.median(row["ratio_runs"][mode]) for mode in args.modes}
         row["ratio_of_medians"] = {mode: medians[mode] / medians["none"] for mode in args.modes}
         print(f"{n_tokens} tokens: " + ", ".join(f"{m} {r:.3f}x" for m, r in row["ratio_to_none"].items()))

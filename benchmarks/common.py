@@ -139,6 +139,13 @@ def medians(samples: list[dict[str, float]]) -> dict[str, float]:
 _PAIRED = ("decode_tok_s", "prefill_s")  # timed figures whose per-run values and ratios sweep() keeps
 
 
+def run_ratios(values: Sequence[float], baseline: Sequence[float]) -> list[float]:
+    """Each run's figure over the baseline's figure of the same run. The modes alternate inside a run, so a slow
+    stretch of the machine hits both: the median of these is robust to drift across runs, which the ratio of the
+    two medians is not."""
+    return [value / base for value, base in zip(values, baseline, strict=True)]
+
+
 def sweep(model, tokenizer, args, modes: Sequence[str], one_run: Callable) -> list[dict]:
     """For every ``args.prefill`` length, ``args.runs`` runs of every mode (alternating, so that machine noise
     hits them alike) reduced to medians, with the timed figures' per-run values and, against ``none``, each run's
@@ -170,7 +177,7 @@ def sweep(model, tokenizer, args, modes: Sequence[str], one_run: Callable) -> li
         if "none" in modes:  # each run's own ratio to no press (the modes alternate inside a run), and their median
             for mode in modes:
                 for key in _PAIRED:
-                    ratios = [s[key] / base[key] for s, base in zip(samples[mode], samples["none"], strict=True)]
+                    ratios = run_ratios([s[key] for s in samples[mode]], [s[key] for s in samples["none"]])
                     row[f"{mode}_{key}_ratio_runs"] = ratios
                     row[f"{mode}_{key}_ratio"] = statistics.median(ratios)
         results.append(row)
