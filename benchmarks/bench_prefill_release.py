@@ -7,10 +7,12 @@ compact with each way of ``benchmarks.common.HEAP_RELEASE``: ``pages`` (the defa
 pages, and a heap trim when resident memory outgrows the pools by 32 MiB), ``trim`` (the same trims, no pages),
 ``trim_every_layer`` (session 6), ``off`` (freed memory stays in the allocator). Prefill only
 (``model(ids, logits_to_keep=1)`` with a cache, as ``generate`` prefills: full logits would add a vocabulary-sized
-matmul per token that dilutes the ratios), DMS threshold press with the bundled KVzap-MLP::
+matmul per token that dilutes the ratios), DMS threshold press with the model's bundled KVzap-MLP (``--threshold
+-3.4`` evicts ~2/3 of SmolLM2-135M's pairs); without ``--model``, a random-weight Llama sized like SmolLM2-135M with
+random N(0, 1) scores (the default ``--threshold 0.44`` evicts ~67%)::
 
     python -m benchmarks.bench_prefill_release --model ~/.cache/kvzap/models/SmolLM2-135M-Instruct \
-        --prefill 2048 8192 --runs 3 --json benchmarks/results/prefill_release.json
+        --threshold -3.4 --prefill 2048 8192 --runs 3 --json benchmarks/results/prefill_release.json
 
 Peak RSS of the same modes: ``bench_memory.py --rss-variants``.
 """
@@ -27,14 +29,16 @@ import torch
 from transformers import DynamicCache
 
 from benchmarks.common import HEAP_RELEASE, cache_kwarg, load, meta, prompt_ids, run_ratios, write_results
-from kvzap import DMSThresholdPress, KVzapScorer
+from kvzap import DMSThresholdPress, KVzapScorer, RandomScorer
 from kvzap.heap import set_heap_release
 
 MODES = ("none", *HEAP_RELEASE)
 
 
 def make_press(args) -> DMSThresholdPress:
-    return DMSThresholdPress(KVzapScorer(model_type="mlp"), threshold=args.threshold, decoding=True)
+    # A random model has no trained surrogate: random scores stand in, as in bench_decode and bench_memory.
+    scorer = KVzapScorer(model_type="mlp", surrogate=args.surrogate) if args.model else RandomScorer(seed=0)
+    return DMSThresholdPress(scorer, threshold=args.threshold, decoding=True)
 
 
 def one_run(model, mode: str, ids: torch.Tensor, press) -> float:
@@ -57,7 +61,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model", default=None, help="local model directory (default: random SmolLM2-135M-sized)")
     parser.add_argument("--prefill", type=int, nargs="+", default=[2048])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--threshold", type=float, default=-3.4)
+    parser.add_argument("--threshold", type=float, default=0.44, help="DMS threshold (random scores: 0.44 ~ 67%%)")
+    parser.add_argument("--surrogate", default=None, help="KVzap-MLP surrogate dir (default: bundled)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)

@@ -3,19 +3,19 @@ library's heap-release setting restored afterwards."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import torch
 
 import kvzap.heap as heap
 from benchmarks import bench_prefill_release as bench
-from kvzap import DMSThresholdPress, RandomScorer
+from kvzap import KVzapScorer, RandomScorer
 from tests.conftest import tiny_model
 
 
 def test_prefill_release_benchmark_end_to_end(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "load", lambda path: (tiny_model("llama", hidden_size=256, intermediate_size=256), None))
-    monkeypatch.setattr(bench, "make_press", lambda args: DMSThresholdPress(RandomScorer(seed=0), threshold=0.0))
     seen = []
     real = bench.set_heap_release
     monkeypatch.setattr(bench, "set_heap_release", lambda *a, **k: seen.append(k) or real(*a, **k))
@@ -31,3 +31,13 @@ def test_prefill_release_benchmark_end_to_end(monkeypatch, tmp_path):
     assert {"pages": False} in seen and {"min_bytes": None, "pages": False} in seen
     assert seen[-1] == {}
     assert heap._pages is True and heap._min_bytes == heap._DEFAULT_MIN_BYTES
+
+
+def test_prefill_release_press_without_and_with_a_model():
+    # Without --model the benchmark's random model has no trained surrogate: random scores stand in (it used to
+    # ask for the bundled surrogate of a model named '' and fail); with --model, the KVzap-MLP (bundled or --surrogate).
+    press = bench.make_press(argparse.Namespace(model=None, surrogate=None, threshold=0.44))
+    assert isinstance(press.scorer, RandomScorer) and press.threshold == 0.44
+    press = bench.make_press(argparse.Namespace(model="a/model", surrogate="a/surrogate", threshold=-3.4))
+    assert isinstance(press.scorer, KVzapScorer) and press.scorer.surrogate == "a/surrogate"
+    assert press.threshold == -3.4
