@@ -5,7 +5,9 @@ Reads every ``metrics.json`` below a results directory (as written by :mod:`eval
 the full cache as a dashed line inside its shaded interval), ``summary.md`` (one row per run, one column per task,
 every score with its 95% interval, and where each press leaves the full cache's interval) and ``summary.csv`` (the
 same numbers, one column per bound). Runs written before intervals were recorded get them from their
-``predictions.csv``. Datasets without a target length (LongBench, AIME25) have ``length`` None.
+``predictions.csv``. Datasets without a target length (LongBench, AIME25) have ``length`` None. A press run with a
+surrogate other than its default (``--surrogate``) is a series of its own, named ``press (surrogate)``: the same
+press with two surrogates is never drawn as one line nor ranked as one press.
 """
 
 from __future__ import annotations
@@ -49,9 +51,28 @@ def collect_results(results_dir: str | os.PathLike) -> list[dict[str, Any]]:
     results = []
     for path in sorted(root.rglob("metrics.json")):
         metrics = json.loads(path.read_text(encoding="utf-8"))
+        if "surrogate" not in metrics:  # runs written before metrics.json recorded it: their config.json has it
+            config = path.parent / "config.json"
+            record = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+            metrics["surrogate"] = record.get("surrogate")
         results.append(_with_intervals({**metrics, "run_dir": str(path.parent)}))
-    results.sort(key=lambda r: (*_panel(r), r["press"], r["compression_ratio"]))
+    results.sort(key=lambda r: (*_panel(r), _series(r), r["compression_ratio"]))
     return results
+
+
+def _series(result: dict[str, Any]) -> str:
+    """The line a run belongs to: its press, and its surrogate when one was given (``kvzap_mlp (run300/mlp)``:
+    the surrogate's directory, with its parent when the directory is named after the type)."""
+    surrogate = result.get("surrogate")
+    if not surrogate:
+        return result["press"]
+    path = Path(str(surrogate).rstrip("/"))
+    name = (
+        f"{path.parent.name}/{path.name}"
+        if path.name in ("mlp", "linear", "fastkvzip") and path.parent.name
+        else path.name
+    )
+    return f"{result['press']} ({name})"
 
 
 def _with_intervals(result: dict[str, Any]) -> dict[str, Any]:
@@ -131,15 +152,16 @@ def highest_compression_inside(results: list[dict[str, Any]]) -> dict[tuple[str,
 
     Returns
     -------
-    dict panel -> {press: the run (a result dict), or None when its lowest-compression run is already outside};
-    panels without a full-cache run (or without intervals) are left out.
+    dict panel -> {series (the press, with its surrogate when one was given): the run (a result dict), or None when
+    its lowest-compression run is already outside}; panels without a full-cache run (or without intervals) are
+    left out.
     """
     full = _full_cache_runs(results)
     found: dict[tuple[str, str, int], dict[str, Any]] = defaultdict(dict)
     by_press: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in results:
         if r["press"] != "no_press" and _panel(r) in full and full[_panel(r)].get("score_ci"):
-            by_press[(_panel(r), r["press"])].append(r)
+            by_press[(_panel(r), _series(r))].append(r)
     for (panel, press), runs in sorted(by_press.items()):
         best = None
         for r in sorted(runs, key=lambda r: r["compression_ratio"]):
@@ -163,6 +185,7 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "dataset": _panel(r)[1],
             "length": r.get("length"),
             "press": r["press"],
+            "surrogate": r.get("surrogate"),
             "knob": r.get("knob"),
             "value": r.get("value"),
             "compression_ratio": r["compression_ratio"],
@@ -192,7 +215,7 @@ def summary_table(results: list[dict[str, Any]]) -> str:
             str(r.get("model", "")),
             _panel(r)[1],
             "-" if r.get("length") is None else str(r["length"]),
-            r["press"],
+            _series(r),
             _value_label(r),
             f"{r['compression_ratio']:.3f}",
             _with_ci(r["score"], r.get("score_ci"), 2),
@@ -221,7 +244,7 @@ def _write_csv(results: list[dict[str, Any]], path: Path) -> None:
 
 
 def plot_results(results: list[dict[str, Any]], path: str | os.PathLike) -> Path:
-    """Plot mean score (percent) against the measured compression ratio, one line per press.
+    """Plot mean score (percent) against the measured compression ratio, one line per press (and surrogate).
 
     Parameters
     ----------
@@ -238,13 +261,13 @@ def plot_results(results: list[dict[str, Any]], path: str | os.PathLike) -> Path
         panels[_panel(r)].append(r)
     keys = sorted(panels)
     # One color per press in every panel.
-    presses = sorted({r["press"] for r in results if r["press"] != "no_press"})
+    presses = sorted({_series(r) for r in results if r["press"] != "no_press"})
     colors = {press: f"C{i % 10}" for i, press in enumerate(presses)}
     fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(5 * max(len(keys), 1), 4), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
         by_press: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in panels[key]:
-            by_press[r["press"]].append(r)
+            by_press[_series(r)].append(r)
         for press, runs in sorted(by_press.items()):
             runs = sorted(runs, key=lambda r: r["compression_ratio"])
             if press == "no_press":

@@ -765,7 +765,12 @@ def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None)
             encoding="utf-8",
         )
         rows = _evaluate_run(pipe, config, run, samples_by_length[run.length], model, tokenizer, directory)
-        metrics = {**_summarize(rows, config.task_list), **dataclasses.asdict(run), "model": model_name}
+        metrics = {
+            **_summarize(rows, config.task_list),
+            **dataclasses.asdict(run),
+            "model": model_name,
+            "surrogate": config.surrogate_for(run.press),  # None: the default one (bundled or published)
+        }
         _write_predictions(directory / "predictions.csv", rows)
         # Written last: its presence marks the run as finished; the rows of the unfinished run are then redundant.
         tmp = metrics_path.with_suffix(".json.tmp")

@@ -109,3 +109,36 @@ def test_runs_without_intervals_get_them_from_their_predictions(tmp_path):
     (result,) = collect_results(tmp_path)
     assert result["score_ci"] is None
     assert "| 45.00 |" in summarize(tmp_path, tmp_path / "out")["table"].read_text()
+
+
+def test_a_press_with_another_surrogate_is_a_series_of_its_own(sweep, tmp_path, monkeypatch):
+    # The same press and threshold with a retrained surrogate (``--surrogate``): its own line, row and verdict,
+    # never merged with the default surrogate's runs. One run records the surrogate in metrics.json, the other
+    # (written before metrics.json had it) only in its config.json.
+    from matplotlib.axes import Axes
+
+    _write(sweep, "g", "kvzap_mlp", 48.0, [38.0, 58.0], 0.85, -3.0)
+    metrics = json.loads((sweep / "g" / "metrics.json").read_text())
+    (sweep / "g" / "metrics.json").write_text(json.dumps({**metrics, "surrogate": "train/results/run300/mlp"}))
+    _write(sweep, "h", "kvzap_mlp", 55.0, [45.0, 65.0], 0.6, -5.0)
+    (sweep / "h" / "config.json").write_text(json.dumps({"surrogate": "train/results/run300/mlp/"}))
+    series = "kvzap_mlp (run300/mlp)"
+
+    results = collect_results(sweep)
+    assert [r["compression_ratio"] for r in results if r["press"] == "kvzap_mlp" and r["surrogate"]] == [0.6, 0.85]
+    (panel,) = highest_compression_inside(results).values()
+    assert panel["kvzap_mlp"]["compression_ratio"] == 0.6 and panel[series]["compression_ratio"] == 0.85
+
+    bars = []
+    original = Axes.errorbar
+    monkeypatch.setattr(
+        Axes, "errorbar", lambda self, x, y, **kw: bars.append((kw.get("label"), list(x))) or original(self, x, y, **kw)
+    )
+    paths = summarize(sweep, tmp_path / "out")
+    assert dict(bars)["kvzap_mlp"] == [0.4, 0.6, 0.7, 0.85] and dict(bars)[series] == [0.6, 0.85]
+    table = paths["table"].read_text()
+    assert f"| {series} | tau=-3 | 0.850 | 48.00 [38.0, 58.0] | inside |" in table
+    assert f"{series} 0.850 (tau=-3)" in table
+    with paths["csv"].open(newline="") as handle:
+        surrogates = {r["surrogate"] for r in csv.DictReader(handle) if r["press"] == "kvzap_mlp"}
+    assert surrogates == {"", "train/results/run300/mlp", "train/results/run300/mlp/"}
