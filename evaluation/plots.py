@@ -18,6 +18,7 @@ import json
 import logging
 import os
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "collect_results",
     "summary_table",
     "summary_rows",
+    "task_compression",
     "compare_to_full_cache",
     "highest_compression_inside",
     "plot_results",
@@ -55,7 +57,7 @@ def collect_results(results_dir: str | os.PathLike) -> list[dict[str, Any]]:
             config = path.parent / "config.json"
             record = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
             metrics["surrogate"] = record.get("surrogate")
-        results.append(_with_intervals({**metrics, "run_dir": str(path.parent)}))
+        results.append(_with_task_compression(_with_intervals({**metrics, "run_dir": str(path.parent)})))
     results.sort(key=lambda r: (*_panel(r), _series(r), r["compression_ratio"]))
     return results
 
@@ -88,6 +90,30 @@ def _with_intervals(result: dict[str, Any]) -> dict[str, Any]:
         for row in csv.DictReader(handle):
             by_task[row["task"]].append(float(row["score"]))
     return {**result, **run_intervals({t: by_task[t] for t in result["tasks"] if t in by_task})}
+
+
+def _with_task_compression(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with ``tasks_compression_ratio`` (each task's mean compression ratio): that of its
+    ``metrics.json``, else computed from its ``predictions.csv`` (runs written before it was recorded), else {}."""
+    if result.get("tasks_compression_ratio") is not None:
+        return result
+    predictions = Path(result["run_dir"]) / "predictions.csv"
+    if not predictions.is_file():
+        return {**result, "tasks_compression_ratio": {}}
+    with predictions.open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    tasks = [t for t in result["tasks"] if any(row["task"] == t for row in rows)]
+    return {**result, "tasks_compression_ratio": task_compression(rows, tasks)}
+
+
+def task_compression(rows: list[dict[str, Any]], tasks: Iterable[str]) -> dict[str, float]:
+    """Mean compression ratio of each task's samples (``rows``: predictions with ``task`` and
+    ``compression_ratio``)."""
+    out = {}
+    for task in tasks:
+        ratios = [float(r["compression_ratio"]) for r in rows if r["task"] == task]
+        out[task] = sum(ratios) / len(ratios)
+    return out
 
 
 def _panel(result: dict[str, Any]) -> tuple[str, str, int]:
@@ -196,6 +222,8 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for name, value in values.items():
             row[name] = value
             row[f"{name}_low"], row[f"{name}_high"] = intervals[name] or (None, None)
+        for task in tasks:
+            row[f"{task}_compression_ratio"] = (r.get("tasks_compression_ratio") or {}).get(task)
         row["vs_full_cache"] = compare_to_full_cache(r, full.get(_panel(r)))
         rows.append(row)
     return rows

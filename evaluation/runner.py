@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from . import aime, longbench, ruler
 from .benchmarks import BENCHMARKS, DEFAULT_DATASET, Benchmark, LoadRequest, check_local_path
 from .intervals import run_intervals
+from .plots import task_compression
 from .presses import PRESSES, make_press
 
 logger = logging.getLogger(__name__)
@@ -459,8 +460,9 @@ def _write_predictions(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def _summarize(rows: list[dict[str, Any]], tasks: Sequence[str]) -> dict[str, Any]:
-    """Per-task scores (mean of the sample scores, percent), their mean, the mean compression ratio, and the 95%
-    confidence interval of every score (:func:`evaluation.intervals.run_intervals`)."""
+    """Per-task scores (mean of the sample scores, percent), their mean, the mean compression ratio (overall and
+    per task: tasks of one run evict different shares, and a task is compared at its own), and the 95% confidence
+    interval of every score (:func:`evaluation.intervals.run_intervals`)."""
     by_task = {}
     for task in tasks:
         scores = [r["score"] for r in rows if r["task"] == task]
@@ -472,6 +474,7 @@ def _summarize(rows: list[dict[str, Any]], tasks: Sequence[str]) -> dict[str, An
         "score": sum(per_task.values()) / len(per_task),  # mean over tasks, as RULER and LongBench average
         "tasks": per_task,
         "compression_ratio": sum(ratios) / len(ratios),
+        "tasks_compression_ratio": task_compression(rows, by_task),
         "n_predictions": len(rows),
         "tasks_n": {task: len(scores) for task, scores in by_task.items()},
         **run_intervals(by_task),

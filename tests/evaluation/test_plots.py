@@ -99,11 +99,17 @@ def test_runs_without_intervals_get_them_from_their_predictions(tmp_path):
         writer = csv.writer(handle)
         writer.writerow(["task", "id", "prediction", "answers", "score", "compression_ratio", "n_tokens"])
         for task, values in scores.items():
-            writer.writerows([task, i, "", "[]", v, 0.0, 10] for i, v in enumerate(values))
+            ratio = {"a": 0.5, "b": 0.75}[task]
+            writer.writerows([task, i, "", "[]", v, ratio + 0.01 * (i % 2), 10] for i, v in enumerate(values))
     (result,) = collect_results(tmp_path)
     expected = run_intervals(scores)
     assert result["score_ci"] == expected["score_ci"] and result["tasks_ci"] == expected["tasks_ci"]
     assert result["ci_method"] == {"a": "wilson", "b": "bootstrap"}
+    # Each task's own compression ratio, from the same predictions (runs written before metrics.json had it).
+    assert result["tasks_compression_ratio"] == pytest.approx({"a": 0.505, "b": 0.755})
+    with summarize(tmp_path, tmp_path / "csv")["csv"].open(newline="") as handle:
+        (row,) = csv.DictReader(handle)
+    assert (float(row["a_compression_ratio"]), float(row["b_compression_ratio"])) == pytest.approx((0.505, 0.755))
     # Without predictions either: no interval, and the table shows the score alone.
     (run / "predictions.csv").unlink()
     (result,) = collect_results(tmp_path)

@@ -61,6 +61,10 @@ def test_writes_every_file(finished):
             assert float(row["score"]) == sample_score(row["task"], row["prediction"], answers)
         ratios = [float(r["compression_ratio"]) for r in rows]
         assert metrics["compression_ratio"] == pytest.approx(sum(ratios) / len(ratios))
+        assert metrics["tasks_compression_ratio"] == pytest.approx(
+            {t: sum(ratios[i] for i, r in enumerate(rows) if r["task"] == t) / 2 for t in ("niah_single", "cwe")}
+        )
+        assert metrics["surrogate"] is None  # the default surrogate (kvzap presses: bundled or published)
         by_task = {t: [float(r["score"]) for r in rows if r["task"] == t] for t in ("niah_single", "cwe")}
         assert {k: metrics[k] for k in ("score_ci", "tasks_ci", "ci_method")} == {
             k: v for k, v in run_intervals(by_task).items() if k in ("score_ci", "tasks_ci", "ci_method")
