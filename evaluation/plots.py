@@ -2,7 +2,8 @@
 
 Reads every ``metrics.json`` below a results directory (as written by :mod:`evaluation.runner`) and writes
 ``accuracy_vs_compression.png`` (one panel per model, dataset and length, one line per press with 95% error bars,
-the full cache as a dashed line inside its shaded interval), ``summary.md`` (one row per run, one column per task,
+the full cache as a dashed line inside its shaded interval), ``accuracy_by_task.png`` (each task's score against
+its own compression ratio), ``summary.md`` (one row per run, one column per task,
 every score with its 95% interval, and where each press leaves the full cache's interval) and ``summary.csv`` (the
 same numbers, one column per bound). Runs written before intervals were recorded get them from their
 ``predictions.csv``. Datasets without a target length (LongBench, AIME25) have ``length`` None. A press run with a
@@ -34,6 +35,7 @@ __all__ = [
     "compare_to_full_cache",
     "highest_compression_inside",
     "plot_results",
+    "plot_tasks",
     "summarize",
     "main",
 ]
@@ -336,6 +338,75 @@ def plot_results(results: list[dict[str, Any]], path: str | os.PathLike) -> Path
     return path
 
 
+def plot_tasks(results: list[dict[str, Any]], path: str | os.PathLike) -> Path:
+    """Plot each task's score against that task's own compression ratio: one row of panels per model, dataset and
+    length, one panel per task, one line per press (and surrogate), 95% error bars, the full cache dashed.
+
+    The tasks of one run evict different shares (a task's prompts score differently), so a task is compared
+    across presses at its own compression, not at the run's mean. Runs without per-task compression ratios are
+    left out.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in results:
+        panels[_panel(r)].append(r)
+    keys = sorted(panels)
+    tasks = sorted({task for r in results for task in r["tasks"]})
+    series = sorted({_series(r) for r in results if r["press"] != "no_press"})
+    colors = {name: f"C{i % 10}" for i, name in enumerate(series)}
+    fig, axes = plt.subplots(
+        len(keys), max(len(tasks), 1), figsize=(3.6 * max(len(tasks), 1), 3.2 * len(keys)), squeeze=False
+    )
+    for row, key in zip(axes, keys, strict=True):
+        for ax, task in zip(row, tasks, strict=True):
+            by_series: dict[str, list[dict[str, Any]]] = defaultdict(list)
+            for r in panels[key]:
+                own = task in (r.get("tasks_compression_ratio") or {}) or r["press"] == "no_press"
+                if task in r["tasks"] and own:
+                    by_series[_series(r)].append(r)
+            for name, runs in sorted(by_series.items()):
+                if runs[0]["press"] == "no_press":
+                    full = runs[0]
+                    ax.axhline(full["tasks"][task], color="black", linestyle="--", linewidth=1, label="full cache")
+                    interval = (full.get("tasks_ci") or {}).get(task)
+                    if interval:
+                        ax.axhspan(*interval, color="black", alpha=0.08, linewidth=0)
+                    continue
+                runs = sorted(runs, key=lambda r: r["tasks_compression_ratio"][task])
+                scores = [r["tasks"][task] for r in runs]
+                intervals = [(r.get("tasks_ci") or {}).get(task) for r in runs]
+                errors = [
+                    [s - i[0] if i else 0.0 for s, i in zip(scores, intervals, strict=True)],
+                    [i[1] - s if i else 0.0 for s, i in zip(scores, intervals, strict=True)],
+                ]
+                ax.errorbar(
+                    [r["tasks_compression_ratio"][task] for r in runs],
+                    scores,
+                    yerr=errors,
+                    marker="o",
+                    capsize=3,
+                    label=name,
+                    color=colors[name],
+                )
+            ax.set_title(f"{task}\n{_panel_title(key)}", fontsize="small")
+            ax.set_xlabel("this task's compression ratio")
+            ax.set_ylabel("score (%, 95% interval)")
+            ax.set_xlim(-0.02, 1.0)
+            ax.set_ylim(-2, 102)
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize="x-small")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def summarize(results_dir: str | os.PathLike, output_dir: str | os.PathLike | None = None) -> dict[str, Path]:
     """Write ``accuracy_vs_compression.png``, ``summary.md`` and ``summary.csv`` for the runs below ``results_dir``.
 
@@ -346,7 +417,8 @@ def summarize(results_dir: str | os.PathLike, output_dir: str | os.PathLike | No
 
     Returns
     -------
-    dict with the paths written, keys ``"plot"``, ``"table"`` and ``"csv"``.
+    dict with the paths written, keys ``"plot"``, ``"tasks_plot"`` (:func:`plot_tasks`), ``"table"`` and
+    ``"csv"``.
     """
     results = collect_results(results_dir)
     if not results:
@@ -357,8 +429,9 @@ def summarize(results_dir: str | os.PathLike, output_dir: str | os.PathLike | No
     table.write_text(summary_table(results), encoding="utf-8")
     _write_csv(results, out / "summary.csv")
     plot = plot_results(results, out / "accuracy_vs_compression.png")
-    logger.info("Wrote %s, %s and %s", plot, table, out / "summary.csv")
-    return {"plot": plot, "table": table, "csv": out / "summary.csv"}
+    tasks_plot = plot_tasks(results, out / "accuracy_by_task.png")
+    logger.info("Wrote %s, %s, %s and %s", plot, tasks_plot, table, out / "summary.csv")
+    return {"plot": plot, "tasks_plot": tasks_plot, "table": table, "csv": out / "summary.csv"}
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m evaluation plot") -> int:
@@ -375,5 +448,5 @@ def main(argv: list[str] | None = None, prog: str = "python -m evaluation plot")
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(paths["table"].read_text(encoding="utf-8"), end="")
-    print(f"Wrote {paths['plot']}, {paths['table']} and {paths['csv']}")
+    print(f"Wrote {paths['plot']}, {paths['tasks_plot']}, {paths['table']} and {paths['csv']}")
     return 0

@@ -148,3 +148,29 @@ def test_a_press_with_another_surrogate_is_a_series_of_its_own(sweep, tmp_path, 
     with paths["csv"].open(newline="") as handle:
         surrogates = {r["surrogate"] for r in csv.DictReader(handle) if r["press"] == "kvzap_mlp"}
     assert surrogates == {"", "train/results/run300/mlp", "train/results/run300/mlp/"}
+
+
+def test_per_task_plot_puts_each_task_at_its_own_compression(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    root = tmp_path / "runs"
+    _write(root, "full", "no_press", 50.0, [40.0, 60.0])
+    for name, value, ratio in (("a", -3.0, 0.7), ("b", -2.0, 0.8)):
+        _write(root, name, "kvzap_mlp", 40.0, [30.0, 50.0], ratio, value)
+        metrics = json.loads((root / name / "metrics.json").read_text())
+        metrics["tasks_compression_ratio"] = {"t": round(ratio + 0.05, 2)}  # the task evicts more than the mean
+        (root / name / "metrics.json").write_text(json.dumps(metrics))
+    _write(root, "old", "kvzip_plus_threshold", 45.0, [35.0, 55.0], 0.75, -3.0)  # no per-task ratio: left out
+    bars, lines = [], []
+    original_bar, original_line = Axes.errorbar, Axes.axhline
+    monkeypatch.setattr(
+        Axes,
+        "errorbar",
+        lambda self, x, y, **kw: bars.append((kw.get("label"), list(x))) or original_bar(self, x, y, **kw),
+    )
+    monkeypatch.setattr(Axes, "axhline", lambda self, y, **kw: lines.append(y) or original_line(self, y, **kw))
+    paths = summarize(root, tmp_path / "out")
+    assert paths["tasks_plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The run-level plot draws kvzap_mlp at 0.7 and 0.8 and the oracle; the per-task plot at 0.75 and 0.85 only.
+    assert bars == [("kvzap_mlp", [0.7, 0.8]), ("kvzip_plus_threshold", [0.75]), ("kvzap_mlp", [0.75, 0.85])]
+    assert lines == [50.0, 50.0]  # the full cache in both plots
