@@ -55,28 +55,49 @@ def collect_results(results_dir: str | os.PathLike) -> list[dict[str, Any]]:
     results = []
     for path in sorted(root.rglob("metrics.json")):
         metrics = json.loads(path.read_text(encoding="utf-8"))
-        if "surrogate" not in metrics:  # runs written before metrics.json recorded it: their config.json has it
-            config = path.parent / "config.json"
-            record = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
-            metrics["surrogate"] = record.get("surrogate")
+        config = path.parent / "config.json"
+        record = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+        for key in ("surrogate", "surrogate_weights"):  # runs written before metrics.json recorded them
+            if key not in metrics:
+                metrics[key] = record.get(key)
         results.append(_with_task_compression(_with_intervals({**metrics, "run_dir": str(path.parent)})))
+    _label_weights(results)
     results.sort(key=lambda r: (*_panel(r), _series(r), r["compression_ratio"]))
     return results
 
 
+def _label_weights(results: list[dict[str, Any]]) -> None:
+    """Where one press with one surrogate setting (e.g. the bundled default) ran with different weights in one
+    panel (a new bundled surrogate, or one retrained into the same directory), mark each run with its weights'
+    fingerprint (``weights_label``: 8 hex digits, or ``unrecorded`` for runs written before fingerprints were),
+    so that :func:`_series` keeps them apart."""
+    seen: dict[tuple, set] = defaultdict(set)
+    for r in results:
+        seen[(*_panel(r), r["press"], r.get("surrogate"))].add(r.get("surrogate_weights"))
+    for r in results:
+        if len(seen[(*_panel(r), r["press"], r.get("surrogate"))]) > 1:
+            weights = r.get("surrogate_weights")
+            r["weights_label"] = weights[:8] if weights else "unrecorded"
+
+
 def _series(result: dict[str, Any]) -> str:
     """The line a run belongs to: its press, and its surrogate when one was given (``kvzap_mlp (run300/mlp)``:
-    the surrogate's directory, with its parent when the directory is named after the type)."""
+    the surrogate's directory, with its parent when the directory is named after the type), and the weights'
+    fingerprint where one setting ran with different weights (``kvzap_mlp @3fa2b1c0``, see
+    :func:`_label_weights`)."""
     surrogate = result.get("surrogate")
-    if not surrogate:
-        return result["press"]
-    path = Path(str(surrogate).rstrip("/"))
-    name = (
-        f"{path.parent.name}/{path.name}"
-        if path.name in ("mlp", "linear", "fastkvzip") and path.parent.name
-        else path.name
-    )
-    return f"{result['press']} ({name})"
+    series = result["press"]
+    if surrogate:
+        path = Path(str(surrogate).rstrip("/"))
+        name = (
+            f"{path.parent.name}/{path.name}"
+            if path.name in ("mlp", "linear", "fastkvzip") and path.parent.name
+            else path.name
+        )
+        series += f" ({name})"
+    if result.get("weights_label"):
+        series += f" @{result['weights_label']}"
+    return series
 
 
 def _with_intervals(result: dict[str, Any]) -> dict[str, Any]:
@@ -214,6 +235,7 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "length": r.get("length"),
             "press": r["press"],
             "surrogate": r.get("surrogate"),
+            "surrogate_weights": r.get("surrogate_weights"),
             "knob": r.get("knob"),
             "value": r.get("value"),
             "compression_ratio": r["compression_ratio"],

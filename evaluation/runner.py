@@ -390,6 +390,32 @@ def _source(config: EvalConfig) -> str | None:
     return config.benchmark.hub_id
 
 
+def surrogate_weights(config: EvalConfig, press: str, model_name: str) -> str | None:
+    """A fingerprint of the weights press ``press`` reads: sha256 (16 hex digits) of its surrogate directory's
+    ``config.json`` and ``*.safetensors`` (the ``--surrogate`` directory, else the one bundled for the model);
+    None for presses without learned weights and for weights named by a Hub id (the id names them).
+
+    A run's directory is keyed by it, so a surrogate retrained into the same directory, or a new bundled
+    surrogate, starts new runs instead of reusing results of the old weights."""
+    kind = PRESSES[press].surrogate_type
+    if kind is None:
+        return None
+    given = config.surrogate_for(press)
+    if given is None:
+        from kvzap.surrogates import bundled_surrogate_dir
+
+        directory = bundled_surrogate_dir(model_name, kind)
+    else:
+        directory = Path(given).expanduser()
+    if directory is None or not directory.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted([directory / "config.json", *directory.glob("*.safetensors")]):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _run_record(config: EvalConfig, run: RunSpec, model_name: str) -> dict[str, Any]:
     """The resolved settings of one run, as written to ``config.json`` (and hashed into its directory name)."""
     benchmark = config.benchmark
@@ -412,6 +438,8 @@ def _run_record(config: EvalConfig, run: RunSpec, model_name: str) -> dict[str, 
         "decoding": config.decoding_for(run.knob),
         "dtype": config.dtype,
     }
+    if PRESSES[run.press].surrogate_type is not None:  # what the weights are, not only where they were read
+        record["surrogate_weights"] = surrogate_weights(config, run.press, model_name)
     if config.prefill_chunk_size is not None:  # only when set: runs of a dense prefill keep their directories
         record["prefill_chunk_size"] = config.prefill_chunk_size
     if benchmark.hub_id is None:
@@ -773,6 +801,7 @@ def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None)
             **dataclasses.asdict(run),
             "model": model_name,
             "surrogate": config.surrogate_for(run.press),  # None: the default one (bundled or published)
+            "surrogate_weights": surrogate_weights(config, run.press, model_name),
         }
         _write_predictions(directory / "predictions.csv", rows)
         # Written last: its presence marks the run as finished; the rows of the unfinished run are then redundant.

@@ -174,3 +174,26 @@ def test_per_task_plot_puts_each_task_at_its_own_compression(tmp_path, monkeypat
     # The run-level plot draws kvzap_mlp at 0.7 and 0.8 and the oracle; the per-task plot at 0.75 and 0.85 only.
     assert bars == [("kvzap_mlp", [0.7, 0.8]), ("kvzip_plus_threshold", [0.75]), ("kvzap_mlp", [0.75, 0.85])]
     assert lines == [50.0, 50.0]  # the full cache in both plots
+
+
+def test_runs_of_one_setting_with_different_weights_are_kept_apart(tmp_path):
+    # The bundled default before and after a new bundled surrogate: the same press, surrogate None, different
+    # weights. Older runs have no fingerprint ("unrecorded"); a lone setting gets no label at all.
+    root = tmp_path / "runs"
+    _write(root, "full", "no_press", 50.0, [40.0, 60.0])
+    _write(root, "old", "kvzap_mlp", 30.0, [20.0, 40.0], 0.83, -2.0)
+    _write(root, "new", "kvzap_mlp", 48.0, [38.0, 58.0], 0.83, -2.0)
+    metrics = json.loads((root / "new" / "metrics.json").read_text())
+    (root / "new" / "metrics.json").write_text(json.dumps({**metrics, "surrogate_weights": "0123456789abcdef"}))
+    _write(root, "oracle", "kvzip_plus_threshold", 45.0, [35.0, 55.0], 0.8, -3.0)
+    results = collect_results(root)
+    assert {r["run_dir"].rsplit("/", 1)[1]: r.get("weights_label") for r in results} == {
+        "full": None,
+        "old": "unrecorded",
+        "new": "01234567",
+        "oracle": None,
+    }
+    (panel,) = highest_compression_inside(results).values()
+    assert panel["kvzap_mlp @01234567"]["score"] == 48.0 and panel["kvzap_mlp @unrecorded"] is None
+    table = summarize(root, tmp_path / "out")["table"].read_text()
+    assert "| kvzap_mlp @unrecorded | tau=-2 |" in table and "| kvzap_mlp @01234567 | tau=-2 |" in table

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from evaluation.presses import PRESSES
 from evaluation.runner import RunSpec, load_config, main, run_dir
@@ -90,3 +91,40 @@ def test_short_model_names_share_the_default_models_results(tmp_path):
     short = load_config(output_dir=str(tmp_path), model="smollm2-135m")
     assert _model_name(default, None) == _model_name(short, None) == "SmolLM2-135M-Instruct"
     assert _model_name(load_config(output_dir=str(tmp_path), model="/m/foo.Q4.gguf"), None) == "foo.Q4"
+
+
+def test_run_key_holds_the_weights_not_only_their_place(tmp_path, monkeypatch):
+    # A surrogate retrained into the same directory, or a new bundled surrogate, must start new runs: a run key of
+    # the path alone (or of None for the bundled default) reused the old weights' results as finished.
+    import kvzap.surrogates.bundled as bundled
+    from evaluation.runner import surrogate_weights
+
+    def save(path, seed):
+        torch.manual_seed(seed)
+        KVzapSurrogate(input_dim=64, output_dim=2, n_modules=2, hidden_dim=8).save_pretrained(path)
+
+    surrogate = tmp_path / "fit" / "mlp"
+    save(surrogate, 0)
+    config = load_config(output_dir=str(tmp_path / "out"), surrogate=str(surrogate))
+    before = run_dir(config, _run("kvzap_mlp"), "tiny")
+    assert run_dir(config, _run("kvzap_mlp"), "tiny") == before  # stable while the weights are
+    fingerprint = surrogate_weights(config, "kvzap_mlp", "tiny")
+    assert len(fingerprint) == 16
+    save(surrogate, 1)
+    assert surrogate_weights(config, "kvzap_mlp", "tiny") != fingerprint
+    assert run_dir(config, _run("kvzap_mlp"), "tiny") != before
+
+    # The bundled default (no --surrogate): the weights bundled for the model, looked up by its name.
+    monkeypatch.setattr(bundled, "BUNDLED_DIR", tmp_path / "bundled")
+    save(tmp_path / "bundled" / "tiny" / "mlp", 0)
+    default = load_config(output_dir=str(tmp_path / "out"))
+    first, key = surrogate_weights(default, "kvzap_mlp", "tiny"), run_dir(default, _run("kvzap_mlp"), "tiny")
+    assert first is not None
+    save(tmp_path / "bundled" / "tiny" / "mlp", 2)
+    assert surrogate_weights(default, "kvzap_mlp", "tiny") != first
+    assert run_dir(default, _run("kvzap_mlp"), "tiny") != key
+    # No bundled surrogate and no directory (a Hub id names its weights), and presses without weights: None.
+    assert surrogate_weights(default, "kvzap_mlp", "other-model") is None
+    hub = load_config(output_dir=str(tmp_path / "out"), surrogate="nvidia/KVzap-mlp-Qwen3-8B")
+    assert surrogate_weights(hub, "kvzap_mlp", "tiny") is None
+    assert surrogate_weights(default, "no_press", "tiny") is None
