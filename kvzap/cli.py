@@ -143,6 +143,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         tau = calibrate(model, tokenizer, scorer, texts, target, sliding_window_size=args.window, scores=scores)
         reached = float(compression_curve(scores, [tau], args.window)[0])
         print(f"{target:>8.2f} {tau:>10.3f} {reached:>8.3f}")
+    if args.thresholds:  # the other direction: what each given threshold evicts on the same texts
+        curve = compression_curve(scores, args.thresholds, args.window)
+        print(f"\n{'threshold':>10} {'evicted':>8}")
+        for tau, ratio in zip(args.thresholds, curve.tolist(), strict=True):
+            print(f"{tau:>10.3f} {ratio:>8.3f}")
     return 0
 
 
@@ -255,6 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--window", type=_non_negative_int, default=128, help="sliding window size")
     cal.add_argument("--texts", nargs="*", help="text files (default: Python documentation text)")
     cal.add_argument("--max-tokens", type=_positive_int, default=2048, help="tokens per text")
+    cal.add_argument(
+        "--thresholds",
+        type=float,
+        nargs="+",
+        default=[],
+        help="also print the share each of these thresholds evicts on the same texts (README's threshold table: "
+        "--max-tokens 4096 --thresholds -7 -6 -5 -4.5 -4 -3.5 -3 -2.5 -2 -1.5)",
+    )
     cal.add_argument(
         "--prune-sliding-layers",
         action="store_true",

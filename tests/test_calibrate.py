@@ -110,6 +110,26 @@ def test_cli_calibrates_the_layers_a_press_with_the_same_option_prunes(tmp_path,
     assert reached == pytest.approx(0.5, abs=0.03)
 
 
+def test_cli_prints_what_given_thresholds_evict(tmp_path, capsys):
+    # The other direction of the table: each threshold's share, the same figure as the calibration's for the
+    # threshold it found (the README's threshold table is printed this way).
+    status, _, _ = run_calibrate_cli(tmp_path, "llama", "--target", "0.5")
+    threshold, reached = printed_rows(capsys.readouterr().out)[0.5]
+    status, _, _ = run_calibrate_cli(
+        tmp_path, "llama", "--target", "0.5", "--thresholds", "-100", str(threshold), "100"
+    )
+    out = capsys.readouterr().out
+    assert status == 0
+    curve = {}
+    for line in out.split("evicted", 1)[1].splitlines():
+        fields = line.split()
+        if len(fields) == 2:
+            curve[float(fields[0])] = float(fields[1])
+    assert list(curve) == [-100.0, threshold, 100.0]
+    assert curve[-100.0] == 0.0 and curve[threshold] == pytest.approx(reached, abs=1e-3)
+    assert 0.9 < curve[100.0] < 1.0  # everything outside the window of 4
+
+
 def test_cli_needs_the_flag_on_a_model_of_sliding_layers_only(tmp_path, capsys):
     status, _, _ = run_calibrate_cli(tmp_path, "mistral", "--target", "0.02")
     err = capsys.readouterr().err
