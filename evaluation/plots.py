@@ -295,6 +295,16 @@ def _write_csv(results: list[dict[str, Any]], path: Path) -> None:
         writer.writerows(rows)
 
 
+def _draw_series(ax, xs: list[float], scores: list[float], intervals: list, label: str, color: str) -> None:
+    """One line of scores with asymmetric error bars: the distance from each score to the bounds of its interval
+    (none where a run has no interval)."""
+    errors = [
+        [s - i[0] if i else 0.0 for s, i in zip(scores, intervals, strict=True)],
+        [i[1] - s if i else 0.0 for s, i in zip(scores, intervals, strict=True)],
+    ]
+    ax.errorbar(xs, scores, yerr=errors, marker="o", capsize=3, label=label, color=color)
+
+
 def plot_results(results: list[dict[str, Any]], path: str | os.PathLike) -> Path:
     """Plot mean score (percent) against the measured compression ratio, one line per press (and surrogate).
 
@@ -328,20 +338,13 @@ def plot_results(results: list[dict[str, Any]], path: str | os.PathLike) -> Path
                 if full.get("score_ci"):
                     ax.axhspan(*full["score_ci"], color="black", alpha=0.08, linewidth=0)
                 continue
-            scores = [r["score"] for r in runs]
-            # Asymmetric error bars: the distance from the score to each bound of its interval.
-            errors = [
-                [r["score"] - r["score_ci"][0] if r.get("score_ci") else 0.0 for r in runs],
-                [r["score_ci"][1] - r["score"] if r.get("score_ci") else 0.0 for r in runs],
-            ]
-            ax.errorbar(
+            _draw_series(
+                ax,
                 [r["compression_ratio"] for r in runs],
-                scores,
-                yerr=errors,
-                marker="o",
-                capsize=3,
-                label=press,
-                color=colors[press],
+                [r["score"] for r in runs],
+                [r.get("score_ci") for r in runs],
+                press,
+                colors[press],
             )
         ax.set_title(_panel_title(key))
         ax.set_xlabel("compression ratio (share of KV pairs evicted)")
@@ -399,20 +402,13 @@ def plot_tasks(results: list[dict[str, Any]], path: str | os.PathLike) -> Path:
                         ax.axhspan(*interval, color="black", alpha=0.08, linewidth=0)
                     continue
                 runs = sorted(runs, key=lambda r: r["tasks_compression_ratio"][task])
-                scores = [r["tasks"][task] for r in runs]
-                intervals = [(r.get("tasks_ci") or {}).get(task) for r in runs]
-                errors = [
-                    [s - i[0] if i else 0.0 for s, i in zip(scores, intervals, strict=True)],
-                    [i[1] - s if i else 0.0 for s, i in zip(scores, intervals, strict=True)],
-                ]
-                ax.errorbar(
+                _draw_series(
+                    ax,
                     [r["tasks_compression_ratio"][task] for r in runs],
-                    scores,
-                    yerr=errors,
-                    marker="o",
-                    capsize=3,
-                    label=name,
-                    color=colors[name],
+                    [r["tasks"][task] for r in runs],
+                    [(r.get("tasks_ci") or {}).get(task) for r in runs],
+                    name,
+                    colors[name],
                 )
             ax.set_title(f"{task}\n{_panel_title(key)}", fontsize="small")
             ax.set_xlabel("this task's compression ratio")
