@@ -6,9 +6,10 @@ the full cache as a dashed line inside its shaded interval), ``accuracy_by_task.
 its own compression ratio), ``summary.md`` (one row per run, one column per task,
 every score with its 95% interval, and where each press leaves the full cache's interval) and ``summary.csv`` (the
 same numbers, one column per bound). Runs written before intervals were recorded get them from their
-``predictions.csv``. Datasets without a target length (LongBench, AIME25) have ``length`` None. A press run with a
-surrogate other than its default (``--surrogate``) is a series of its own, named ``press (surrogate)``: the same
-press with two surrogates is never drawn as one line nor ranked as one press.
+``predictions.csv``. Datasets without a target length (LongBench, AIME25) have ``length`` None. A line is a press and
+the weights it read: a run with other weights than the surrogate bundled now is a series of its own, named
+``press (surrogate directory)`` or ``press (earlier bundled)`` (:func:`_label_weights`): the same press with two
+surrogates is never drawn as one line nor ranked as one press.
 """
 
 from __future__ import annotations
@@ -67,26 +68,49 @@ def collect_results(results_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def _label_weights(results: list[dict[str, Any]]) -> None:
-    """Where one press with one surrogate setting (e.g. the bundled default) ran with different weights in one
-    panel (a new bundled surrogate, or one retrained into the same directory), mark each run with its weights'
-    fingerprint (``weights_label``: 8 hex digits, or ``unrecorded`` for runs written before fingerprints were),
-    so that :func:`_series` keeps them apart."""
+    """Give each run its line (``series``): the press and the weights it read.
+
+    A run whose recorded weights are the surrogate the installed package bundles for its model belongs to the
+    press's plain line, however the weights were named (``--surrogate`` pointing at a copy of them, or the
+    default). A run with other weights is named after its ``--surrogate`` directory (``kvzap_mlp
+    (run300/mlp)``: the directory, with its parent when the directory is named after the type), or, when it read
+    the default, ``press (earlier bundled)``: the surrogate bundled when it ran. Where one line still holds runs
+    of different weights (a surrogate retrained into the same directory; runs written before fingerprints were
+    recorded), each run is also marked with its weights' fingerprint (``weights_label``: 8 hex digits, or
+    ``unrecorded``), so that :func:`_series` keeps them apart."""
+    for r in results:
+        r["series"] = _base_series(r)
     seen: dict[tuple, set] = defaultdict(set)
     for r in results:
-        seen[(*_panel(r), r["press"], r.get("surrogate"))].add(r.get("surrogate_weights"))
+        seen[(*_panel(r), r["series"])].add(r.get("surrogate_weights"))
     for r in results:
-        if len(seen[(*_panel(r), r["press"], r.get("surrogate"))]) > 1:
+        if len(seen[(*_panel(r), r["series"])]) > 1:
             weights = r.get("surrogate_weights")
             r["weights_label"] = weights[:8] if weights else "unrecorded"
 
 
-def _series(result: dict[str, Any]) -> str:
-    """The line a run belongs to: its press, and its surrogate when one was given (``kvzap_mlp (run300/mlp)``:
-    the surrogate's directory, with its parent when the directory is named after the type), and the weights'
-    fingerprint where one setting ran with different weights (``kvzap_mlp @3fa2b1c0``, see
-    :func:`_label_weights`)."""
-    surrogate = result.get("surrogate")
-    series = result["press"]
+def _bundled_weights(model: str, press: str) -> str | None:
+    """The fingerprint of the surrogate bundled now for ``model`` and read by ``press`` (None if there is none, or
+    the press registry cannot be imported)."""
+    key = (model, press)
+    if key not in _BUNDLED_WEIGHTS:
+        try:
+            from .presses import bundled_weights
+        except ImportError:  # pragma: no cover - the plot of finished runs needs no press
+            _BUNDLED_WEIGHTS[key] = None
+        else:
+            _BUNDLED_WEIGHTS[key] = bundled_weights(model, press)
+    return _BUNDLED_WEIGHTS[key]
+
+
+_BUNDLED_WEIGHTS: dict[tuple[str, str], str | None] = {}
+
+
+def _base_series(result: dict[str, Any]) -> str:
+    """A run's line before fingerprint labels; see :func:`_label_weights`."""
+    press, surrogate, weights = result["press"], result.get("surrogate"), result.get("surrogate_weights")
+    if weights and weights == _bundled_weights(str(result.get("model") or ""), press):
+        return press
     if surrogate:
         path = Path(str(surrogate).rstrip("/"))
         name = (
@@ -94,7 +118,16 @@ def _series(result: dict[str, Any]) -> str:
             if path.name in ("mlp", "linear", "fastkvzip") and path.parent.name
             else path.name
         )
-        series += f" ({name})"
+        return f"{press} ({name})"
+    if weights:
+        return f"{press} (earlier bundled)"
+    return press
+
+
+def _series(result: dict[str, Any]) -> str:
+    """The line a run belongs to (:func:`_label_weights`), with its weights' fingerprint where one line holds runs
+    of different weights (``kvzap_mlp @3fa2b1c0``)."""
+    series = result.get("series") or _base_series(result)
     if result.get("weights_label"):
         series += f" @{result['weights_label']}"
     return series

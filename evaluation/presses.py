@@ -7,9 +7,11 @@ fresh press for one value of that knob.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from kvzap.presses import (
@@ -24,7 +26,7 @@ from kvzap.presses import (
     TopKPress,
 )
 
-__all__ = ["PressFactory", "PRESSES", "make_press", "PressNotAvailableError"]
+__all__ = ["PressFactory", "PRESSES", "make_press", "PressNotAvailableError", "weights_fingerprint", "bundled_weights"]
 
 Knob = Literal["threshold", "compression_ratio"] | None
 
@@ -61,6 +63,31 @@ class PressFactory:
     @property
     def available(self) -> bool:
         return self.build is not None
+
+
+def weights_fingerprint(directory: str | os.PathLike | None) -> str | None:
+    """A fingerprint of the surrogate weights in ``directory``: sha256 (16 hex digits) of its ``config.json`` and
+    ``*.safetensors`` files (names and bytes); None when ``directory`` is None or not a directory."""
+    if directory is None or not Path(directory).expanduser().is_dir():
+        return None
+    directory = Path(directory).expanduser()
+    digest = hashlib.sha256()
+    for path in sorted([directory / "config.json", *directory.glob("*.safetensors")]):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def bundled_weights(model_name: str, press: str) -> str | None:
+    """:func:`weights_fingerprint` of the surrogate press ``press`` reads by default for ``model_name`` (the one
+    the installed package bundles); None for presses without learned weights or models without bundled ones."""
+    factory = PRESSES.get(press)
+    kind = factory.surrogate_type if factory is not None else None
+    if kind is None or not model_name:
+        return None
+    from kvzap.surrogates import bundled_surrogate_dir
+
+    return weights_fingerprint(bundled_surrogate_dir(model_name, kind))
 
 
 def _kvzap(model_type: str):

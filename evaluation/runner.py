@@ -34,7 +34,7 @@ from . import aime, longbench, ruler
 from .benchmarks import BENCHMARKS, DEFAULT_DATASET, Benchmark, LoadRequest, check_local_path
 from .intervals import run_intervals
 from .plots import task_compression
-from .presses import PRESSES, make_press
+from .presses import PRESSES, bundled_weights, make_press, weights_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -402,18 +402,8 @@ def surrogate_weights(config: EvalConfig, press: str, model_name: str) -> str | 
         return None
     given = config.surrogate_for(press)
     if given is None:
-        from kvzap.surrogates import bundled_surrogate_dir
-
-        directory = bundled_surrogate_dir(model_name, kind)
-    else:
-        directory = Path(given).expanduser()
-    if directory is None or not directory.is_dir():
-        return None
-    digest = hashlib.sha256()
-    for path in sorted([directory / "config.json", *directory.glob("*.safetensors")]):
-        if path.is_file():
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
+        return bundled_weights(model_name, press)
+    return weights_fingerprint(given)
 
 
 def _run_record(config: EvalConfig, run: RunSpec, model_name: str) -> dict[str, Any]:

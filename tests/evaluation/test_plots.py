@@ -184,7 +184,10 @@ def test_runs_of_one_setting_with_different_weights_are_kept_apart(tmp_path):
     _write(root, "old", "kvzap_mlp", 30.0, [20.0, 40.0], 0.83, -2.0)
     _write(root, "new", "kvzap_mlp", 48.0, [38.0, 58.0], 0.83, -2.0)
     metrics = json.loads((root / "new" / "metrics.json").read_text())
-    (root / "new" / "metrics.json").write_text(json.dumps({**metrics, "surrogate_weights": "0123456789abcdef"}))
+    (root / "new" / "metrics.json").write_text(
+        json.dumps({**metrics, "surrogate": "a/mlp", "surrogate_weights": "0123456789abcdef"})
+    )
+    (root / "old" / "config.json").write_text(json.dumps({"surrogate": "a/mlp"}))  # the same directory, retrained
     _write(root, "oracle", "kvzip_plus_threshold", 45.0, [35.0, 55.0], 0.8, -3.0)
     results = collect_results(root)
     assert {r["run_dir"].rsplit("/", 1)[1]: r.get("weights_label") for r in results} == {
@@ -194,6 +197,35 @@ def test_runs_of_one_setting_with_different_weights_are_kept_apart(tmp_path):
         "oracle": None,
     }
     (panel,) = highest_compression_inside(results).values()
-    assert panel["kvzap_mlp @01234567"]["score"] == 48.0 and panel["kvzap_mlp @unrecorded"] is None
+    assert panel["kvzap_mlp (a/mlp) @01234567"]["score"] == 48.0 and panel["kvzap_mlp (a/mlp) @unrecorded"] is None
     table = summarize(root, tmp_path / "out")["table"].read_text()
-    assert "| kvzap_mlp @unrecorded | tau=-2 |" in table and "| kvzap_mlp @01234567 | tau=-2 |" in table
+    assert "| kvzap_mlp (a/mlp) @unrecorded | tau=-2 |" in table and "| kvzap_mlp (a/mlp) @01234567 |" in table
+
+
+def test_a_line_is_named_by_the_weights_its_runs_read(tmp_path):
+    # The surrogate bundled now is the press's plain line however it was named (the default, or --surrogate
+    # pointing at a copy of it); the default read when other weights were bundled is "earlier bundled".
+    from evaluation.presses import bundled_weights
+
+    model = "SmolLM2-135M-Instruct"
+    bundled = bundled_weights(model, "kvzap_mlp")
+    assert bundled is not None and bundled_weights(model, "no_press") is None
+    root = tmp_path / "runs"
+    runs = {
+        "default_now": (None, bundled, 0.6),
+        "copy_now": ("train/results/x/mlp", bundled, 0.8),
+        "default_then": (None, "fedcba9876543210", 0.7),
+        "other": ("train/results/y/mlp", "0011223344556677", 0.75),
+    }
+    for name, (surrogate, weights, ratio) in runs.items():
+        _write(root, name, "kvzap_mlp", 40.0, [30.0, 50.0], ratio, -3.0)
+        metrics = json.loads((root / name / "metrics.json").read_text())
+        metrics.update(model=model, surrogate=surrogate, surrogate_weights=weights)
+        (root / name / "metrics.json").write_text(json.dumps(metrics))
+    series = {r["run_dir"].rsplit("/", 1)[1]: r["series"] for r in collect_results(root)}
+    assert series == {
+        "default_now": "kvzap_mlp",
+        "copy_now": "kvzap_mlp",
+        "default_then": "kvzap_mlp (earlier bundled)",
+        "other": "kvzap_mlp (y/mlp)",
+    }
