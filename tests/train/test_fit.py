@@ -112,3 +112,35 @@ def test_fit_and_save_end_to_end(tmp_path, tiny_tokenizer):
     for model_type in ("linear", "mlp"):
         loaded = KVzapSurrogate.from_pretrained(tmp_path / "out" / model_type)
         assert (loaded.n_modules, loaded.input_dim, loaded.output_dim) == (2, 64, 2)
+
+
+def test_fitting_layers_together_is_fitting_each_alone():
+    # One skorch fit of every layer (batched matrix products) against a loop of single-layer fits: the same
+    # initialisation, batches, per-layer gradient clipping and AdamW steps, so the same weights up to the order of
+    # floating-point sums; also on a subset of the rows, and with the top-weighted loss.
+    from train.fit import fit_layers_mlp
+
+    rng = np.random.default_rng(2)
+    n, layers, d, h = 700, 3, 12, 2
+    X = torch.from_numpy(rng.normal(size=(n, layers, d)).astype(np.float32))
+    y = torch.tanh(X[..., :h] * torch.tensor([1.0, 2.0, 4.0]).view(1, layers, 1)) - 5.0  # layers of unlike scale
+    rows = torch.arange(0, n, 2)
+    for config, subset in (
+        (MLPConfig(hidden_dim=6, batch_size=64, max_epochs=3, valid_fraction=0.1, grad_clip=0.05), None),
+        (MLPConfig(hidden_dim=6, batch_size=32, max_epochs=2, valid_fraction=0, top_weight=2.0), rows),
+    ):
+        together, history = fit_layers_mlp(X.half(), y, config, rows=subset)
+        assert len(together) == layers and len(history["final_train_loss"]) == layers
+        picked = slice(None) if subset is None else subset
+        for layer in range(layers):
+            X_l, y_l = X.half()[picked, layer].float().numpy(), y[picked, layer].numpy()
+            alone, alone_history = fit_layer_mlp(X_l, y_l, config)
+            for a, b in zip(together[layer].state_dict().values(), alone.state_dict().values(), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            with torch.no_grad():
+                mse = float(((alone(torch.from_numpy(X_l)) - torch.from_numpy(y_l)) ** 2).mean())
+            if config.valid_fraction == 0:  # every row trains: the final training MSE is over all of them
+                assert history["final_train_loss"][layer] == pytest.approx(mse, rel=1e-4)
+                assert history["final_valid_loss"][layer] is None and alone_history["valid_loss"] == []
+    with pytest.raises(ValueError, match="matching N and L"):
+        fit_layers_mlp(X, y[:, :2])
