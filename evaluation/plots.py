@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import logging
 import os
@@ -89,21 +90,13 @@ def _label_weights(results: list[dict[str, Any]]) -> None:
             r["weights_label"] = weights[:8] if weights else "unrecorded"
 
 
+@functools.cache
 def _bundled_weights(model: str, press: str) -> str | None:
-    """The fingerprint of the surrogate bundled now for ``model`` and read by ``press`` (None if there is none, or
-    the press registry cannot be imported)."""
-    key = (model, press)
-    if key not in _BUNDLED_WEIGHTS:
-        try:
-            from .presses import bundled_weights
-        except ImportError:  # pragma: no cover - the plot of finished runs needs no press
-            _BUNDLED_WEIGHTS[key] = None
-        else:
-            _BUNDLED_WEIGHTS[key] = bundled_weights(model, press)
-    return _BUNDLED_WEIGHTS[key]
+    """The fingerprint of the surrogate bundled now for ``model`` and read by ``press`` (None if there is none);
+    imported when first needed, so that plotting without learned presses never loads the press registry."""
+    from .presses import bundled_weights
 
-
-_BUNDLED_WEIGHTS: dict[tuple[str, str], str | None] = {}
+    return bundled_weights(model, press)
 
 
 def _base_series(result: dict[str, Any]) -> str:

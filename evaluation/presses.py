@@ -68,9 +68,9 @@ class PressFactory:
 def weights_fingerprint(directory: str | os.PathLike | None) -> str | None:
     """A fingerprint of the surrogate weights in ``directory``: sha256 (16 hex digits) of its ``config.json`` and
     ``*.safetensors`` files (names and bytes); None when ``directory`` is None or not a directory."""
-    if directory is None or not Path(directory).expanduser().is_dir():
+    directory = None if directory is None else Path(directory).expanduser()
+    if directory is None or not directory.is_dir():
         return None
-    directory = Path(directory).expanduser()
     digest = hashlib.sha256()
     for path in sorted([directory / "config.json", *directory.glob("*.safetensors")]):
         if path.is_file():

@@ -348,14 +348,10 @@ def fit_layers_mlp(
     else:
         thresholds = torch.zeros(y.shape[1:])
     dataset = _Pairs(X, y, rows)
-    train, valid = (
-        ValidSplit(config.valid_fraction, random_state=config.seed)(dataset)
-        if config.valid_fraction
-        else (
-            dataset,
-            None,
-        )
-    )
+    if config.valid_fraction:
+        train, valid = ValidSplit(config.valid_fraction, random_state=config.seed)(dataset)
+    else:
+        train, valid = dataset, None
     net = NeuralNetRegressor(
         stacked,
         criterion=TopWeightedMSELoss,
