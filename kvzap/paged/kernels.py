@@ -68,16 +68,59 @@ def _cflags() -> list[str]:
     return flags
 
 
-def _built() -> bool:
-    """Whether a build of the extension is already in torch's extension cache (it may still be rebuilt if the
-    source or flags changed: load_inline decides)."""
+def _build_folder() -> Path | None:
+    """The extension's folder in torch's extension cache, or None if torch's private helper is gone."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        folder = Path(_get_build_directory(_EXTENSION, verbose=False))
-    except Exception:  # a private helper of torch: without it, say that a build may happen
-        return False
-    return any(folder.glob(f"{_EXTENSION}*.so"))
+        return Path(_get_build_directory(_EXTENSION, verbose=False))
+    except Exception:
+        return None
+
+
+def _built() -> bool:
+    """Whether a build of the extension is already in torch's extension cache (it may still be rebuilt if the
+    source or flags changed: load_inline decides)."""
+    folder = _build_folder()
+    return folder is not None and any(folder.glob(f"{_EXTENSION}*.so"))
+
+
+STALE_LOCK_SECONDS = 300.0  # a build takes 30-60 s; a lock this old has no live owner
+
+
+def _clear_stale_lock(folder: Path | None, stale_after: float = STALE_LOCK_SECONDS, poll: float = 0.5) -> None:
+    """Wait for a build lock held by another process, and remove it once it is ``stale_after`` seconds old.
+
+    torch's build lock is a bare file with no owner, taken by every ``load_inline`` (for the up-to-date check
+    too, not only for a build). A process killed while it held it (Ctrl-C, ``kill``) leaves it behind, and every
+    later load then waits for it forever, silently. A lock is waited for while it is young (another process may be
+    building) and removed once older than any build.
+    """
+    if folder is None:
+        return
+    lock = folder / "lock"
+    waited = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_after:
+            logger.warning(
+                "Removing %s, %.0f s old: a process was killed while it loaded kvzap's decode kernel.", lock, age
+            )
+            lock.unlink(missing_ok=True)
+            return
+        if not waited:
+            logger.warning(
+                "Waiting for %s (%.0f s old): another process is loading kvzap's decode kernel. If none is, delete "
+                "the file; it is removed anyway once %.0f s old.",
+                lock,
+                age,
+                stale_after,
+            )
+            waited = True
+        time.sleep(poll)
 
 
 def _load():
@@ -93,6 +136,7 @@ def _load():
             "Building kvzap's fused CPU decode kernel (once per machine and torch version, about 30-60 s; "
             "KVZAP_KERNELS=0 skips it and uses the generic path)."
         )
+    _clear_stale_lock(_build_folder())
     load_inline(
         _EXTENSION,
         cpp_sources=[_SOURCE.read_text()],

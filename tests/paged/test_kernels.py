@@ -185,3 +185,34 @@ def test_the_operator_has_a_shape_function_for_tracing(op):
     positions = torch.zeros(2, 4, dtype=torch.int32, device="meta")
     out = op(torch.zeros(3, 6, 1, 8, device="meta"), keys, values, bias, owner, positions, None, 2, 2, 1.0)
     assert out.shape == (3, 6, 1, 16) and out.device.type == "meta"
+
+
+def test_a_stale_build_lock_is_removed_and_a_young_one_waited_for(tmp_path, caplog):
+    """torch's build lock has no owner: one left by a killed process must not hang every later load."""
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 2 * kernels.STALE_LOCK_SECONDS
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        kernels._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    assert "killed" in caplog.text
+
+    # A young lock is another process's load: waited for until its owner removes it, and left to the owner.
+    lock.touch()
+    threading.Timer(0.3, lock.unlink).start()
+    start = time.perf_counter()
+    kernels._clear_stale_lock(tmp_path, poll=0.02)
+    assert 0.25 < time.perf_counter() - start < 5
+
+    # A young lock nobody removes is removed once it is older than stale_after.
+    lock.touch()
+    start = time.perf_counter()
+    kernels._clear_stale_lock(tmp_path, stale_after=0.3, poll=0.02)
+    assert not lock.exists()
+    assert 0.25 < time.perf_counter() - start < 5
+    kernels._clear_stale_lock(tmp_path)  # no lock: returns at once
+    kernels._clear_stale_lock(None)
