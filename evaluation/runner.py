@@ -719,9 +719,12 @@ def _process_share() -> tuple[int, int, Any]:
     for a single process (or without accelerate)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1, None
+    import torch
     from accelerate import PartialState
 
-    state = PartialState()
+    # Without cpu=True, accelerate on a machine with no accelerator falls back to one process per launch: every
+    # process would run the whole sweep, writing the same run directories.
+    state = PartialState(cpu=not torch.cuda.is_available())
     return state.process_index, state.num_processes, state.device
 
 

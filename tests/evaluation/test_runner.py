@@ -3,6 +3,9 @@
 import csv
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -434,3 +437,21 @@ def test_processes_share_the_runs(tmp_path, monkeypatch):
         done.append([(r["press"], r["value"]) for r in results])
     assert done == [[("no_press", None), ("random", 0.5)], [("random", 0.25), ("random", 0.75)]]
     assert len(list(tmp_path.rglob("metrics.json"))) == 4
+
+
+def test_process_share_under_torchrun_on_cpu(tmp_path):
+    """Two CPU processes launched by torchrun see ranks 0 and 1 of 2 (accelerate needs cpu=True to see them)."""
+    script = tmp_path / "share.py"
+    script.write_text("from evaluation.runner import _process_share\nprint('share', *_process_share()[:2])\n")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    shares = sorted(line for line in out.stdout.splitlines() if line.startswith("share"))
+    assert shares == ["share 0 2", "share 1 2"]
