@@ -28,6 +28,7 @@ __all__ = [
     "is_binary",
     "task_interval",
     "run_intervals",
+    "paired_difference",
 ]
 
 #: Confidence level of every interval.
@@ -196,4 +197,56 @@ def run_intervals(scores_by_task: Mapping[str, Sequence[float]], level: float = 
         "tasks_ci": tasks_ci,
         "ci_method": methods,
         "ci": {"level": level, "bootstrap_resamples": N_RESAMPLES, "seed": SEED},
+    }
+
+
+def paired_difference(
+    a: Mapping[str, Mapping[str, float]],
+    b: Mapping[str, Mapping[str, float]],
+    level: float = LEVEL,
+    n_resamples: int = N_RESAMPLES,
+    seed: int = SEED,
+) -> dict:
+    """The score difference ``a - b`` of two runs over the samples both answered, with a paired bootstrap interval.
+
+    Two runs of one benchmark answer the same samples, and most samples get the same score from both: what varies
+    is each sample's difference. Resampling those differences (stratified by task, as :func:`run_intervals` does)
+    gives the interval of the difference itself, much narrower than the gap two runs' own intervals leave, and
+    the right test of "is a better than b": the difference is resolved when its interval excludes 0.
+
+    Parameters
+    ----------
+    a, b : task -> sample id -> score in percent. Samples found in one run only are left out (and counted).
+    level, n_resamples, seed : confidence level, resamples, seed of the generator.
+
+    Returns
+    -------
+    dict with ``difference`` (mean over tasks of the per-task mean difference, in points), ``interval``
+    ([low, high]), ``n`` (paired samples), ``unpaired`` (samples of one run only) and ``tasks`` (task ->
+    ``{"difference", "interval", "n"}``).
+    """
+    diffs: dict[str, list[float]] = {}
+    unpaired = 0
+    for task in sorted(set(a) | set(b)):
+        ours, theirs = a.get(task, {}), b.get(task, {})
+        common = sorted(set(ours) & set(theirs))
+        unpaired += len(set(ours) ^ set(theirs))
+        if common:
+            diffs[task] = [float(ours[i]) - float(theirs[i]) for i in common]
+    if not diffs:
+        raise ValueError("The two runs share no sample (same task and id): they cannot be compared pairwise.")
+    tasks = {
+        task: {
+            "difference": float(np.mean(d)),
+            "interval": list(bootstrap_interval(d, level, n_resamples, seed)),
+            "n": len(d),
+        }
+        for task, d in diffs.items()
+    }
+    return {
+        "difference": float(np.mean([t["difference"] for t in tasks.values()])),
+        "interval": list(stratified_bootstrap_interval(diffs, level, n_resamples, seed)),
+        "n": sum(len(d) for d in diffs.values()),
+        "unpaired": unpaired,
+        "tasks": tasks,
     }

@@ -839,8 +839,8 @@ def build_parser(prog: str = "python -m evaluation") -> argparse.ArgumentParser:
         prog=prog,
         description=textwrap.fill(
             "Accuracy vs compression of kvzap presses on long-context benchmarks (the offline RULER-style suite, "
-            "RULER, LongBench, AIME 2025). Subcommands: `plot` (or `summarize`) --results-dir DIR; anything else "
-            "runs a sweep.",
+            "RULER, LongBench, AIME 2025). Subcommands: `plot` (or `summarize`) --results-dir DIR; `compare` RUN_DIR_A "
+            "RUN_DIR_B (the paired score difference of two runs); anything else runs a sweep.",
             100,
         ),
         epilog=_datasets_help(),
@@ -954,8 +954,9 @@ def _format_results(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None, prog: str = "python -m evaluation") -> int:
     """Entry point of ``python -m evaluation`` and ``kvzap evaluate``; returns the exit status.
 
-    ``main(["plot", "--results-dir", DIR])`` (or ``summarize``) writes the plot and the table; any other arguments
-    run a sweep (see ``--help``).
+    ``main(["plot", "--results-dir", DIR])`` (or ``summarize``) writes the plot and the table;
+    ``main(["compare", RUN_A, RUN_B])`` prints the paired score difference of two runs; any other arguments run a
+    sweep (see ``--help``).
     """
     import sys
 
@@ -964,6 +965,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m evaluation") -> i
         from .plots import main as plots_main
 
         return plots_main(argv[1:], prog=f"{prog} {argv[0]}")
+    if argv and argv[0] == "compare":
+        from .compare import main as compare_main
+
+        return compare_main(argv[1:], prog=f"{prog} compare")
     if argv and argv[0] == "run":
         argv = argv[1:]
     try:

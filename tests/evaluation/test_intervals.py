@@ -8,6 +8,7 @@ import pytest
 from evaluation.intervals import (
     bootstrap_interval,
     is_binary,
+    paired_difference,
     run_intervals,
     stratified_bootstrap_interval,
     task_interval,
@@ -94,3 +95,37 @@ def test_task_and_run_intervals_pick_their_method():
     assert run_intervals({"a": [100.0, 0.0], "b": [100.0, 0.0, 0.0]})["score_ci_method"] == "bootstrap"
     mixed = run_intervals({"a": [100.0, 0.0], "b": [50.0, 0.0]})
     assert mixed["score_ci_method"] == "bootstrap" and mixed["ci_method"] == {"a": "wilson", "b": "bootstrap"}
+
+
+def test_paired_difference_resamples_the_per_sample_differences():
+    # 40 samples per task; run a answers 4 more of task x than b, and the same otherwise.
+    b = {"x": {str(i): 100.0 if i < 20 else 0.0 for i in range(40)}, "y": {str(i): 100.0 * (i % 2) for i in range(40)}}
+    a = {"x": {**b["x"], **{str(i): 100.0 for i in range(20, 24)}}, "y": dict(b["y"])}
+    result = paired_difference(a, b)
+    assert result["tasks"]["x"]["difference"] == pytest.approx(10.0)
+    assert result["tasks"]["y"] == {"difference": 0.0, "interval": [0.0, 0.0], "n": 40}  # same answers: no spread
+    assert result["difference"] == pytest.approx(5.0)  # mean over tasks
+    assert result["n"] == 80 and result["unpaired"] == 0
+    low, high = result["interval"]
+    assert 0.0 < low < 5.0 < high  # 4 of 80 samples differ, all one way: resolved
+    # The two runs' own intervals (50 [35.2, 64.8] against 60 [44.6, 73.7] on task x) overlap widely; the paired
+    # interval is the narrower test.
+    own_b, own_a = run_intervals({"x": list(b["x"].values())}), run_intervals({"x": list(a["x"].values())})
+    assert own_a["score_ci"][0] < own_b["score_ci"][1]
+    x_low, x_high = result["tasks"]["x"]["interval"]
+    assert x_low > 0 and x_high - x_low < own_a["score_ci"][1] - own_a["score_ci"][0]
+    # Swapping the runs flips the sign.
+    swapped = paired_difference(b, a)
+    assert swapped["difference"] == pytest.approx(-5.0)
+    assert swapped["interval"] == pytest.approx([-high, -low])
+
+
+def test_paired_difference_pairs_by_id_and_counts_the_rest():
+    a = {"x": {"1": 100.0, "2": 0.0, "3": 100.0}, "z": {"9": 100.0}}
+    b = {"x": {"2": 100.0, "3": 100.0, "4": 0.0}}
+    result = paired_difference(a, b)
+    assert set(result["tasks"]) == {"x"} and result["n"] == 2  # ids 2 and 3 of task x
+    assert result["unpaired"] == 3  # x/1, x/4 and z/9
+    assert result["difference"] == pytest.approx(-50.0)
+    with pytest.raises(ValueError, match="share no sample"):
+        paired_difference({"x": {"1": 100.0}}, {"x": {"2": 100.0}})

@@ -455,3 +455,27 @@ def test_process_share_under_torchrun_on_cpu(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     shares = sorted(line for line in out.stdout.splitlines() if line.startswith("share"))
     assert shares == ["share 0 2", "share 1 2"]
+
+
+def test_compare_reads_finished_and_unfinished_runs(tmp_path, capsys):
+    """`python -m evaluation compare A B`: the paired difference of a finished run and one still going."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    columns = ["task", "id", "prediction", "answers", "score", "compression_ratio", "n_tokens"]
+    with (a / "predictions.csv").open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        for i in range(4):
+            writer.writerow(dict(zip(columns, ["t", i, "x", "[]", 100.0, 0.8, 10], strict=True)))
+    lines = [json.dumps({"task": "t", "id": i, "score": 100.0 * (i < 2), "compression_ratio": 0.6}) for i in range(3)]
+    (b / "predictions.partial.jsonl").write_text("\n".join(lines) + '\n{"task": "t", "id"', encoding="utf-8")
+    assert main(["compare", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "(unfinished)" in out and "1 samples answered by one run only" in out
+    assert "| **mean over tasks** | 3 | 100.0 | 66.7 | +33.3" in out and "| 80.0% | 60.0% |" in out
+    assert main(["compare", str(a), str(b), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["difference"] == pytest.approx(100 / 3) and result["n"] == 3 and not result["finished_b"]
+    assert main(["compare", str(a), str(tmp_path / "missing")]) == 1
+    assert "holds no predictions.csv" in capsys.readouterr().err

@@ -1,0 +1,123 @@
+"""``python -m evaluation compare RUN_A RUN_B``: the score difference of two runs, sample by sample.
+
+Two runs of one benchmark (two presses, two thresholds, two surrogates) answer the same samples. Whether their
+scores differ is a question about the per-sample differences, which :func:`evaluation.intervals.paired_difference`
+resamples: the interval of ``A - B`` it prints is the test (resolved when it excludes 0), where comparing the two
+runs' own intervals is far too conservative. Each run is read from its ``predictions.csv``, or, for a run still
+going, from its ``predictions.partial.jsonl`` (the comparison then covers the samples both have answered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .intervals import paired_difference
+
+__all__ = ["read_run", "compare_runs", "format_comparison", "main"]
+
+
+def read_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], bool]:
+    """The sample rows of a run directory (``task``, ``id``, ``score``, ``compression_ratio``) and whether the run
+    is finished; raises FileNotFoundError when the directory holds neither predictions file."""
+    run_dir = Path(run_dir)
+    finished = run_dir / "predictions.csv"
+    if finished.is_file():
+        with finished.open(newline="", encoding="utf-8") as handle:
+            rows = list(csv.DictReader(handle))
+        return [_row(r) for r in rows], True
+    partial = run_dir / "predictions.partial.jsonl"
+    if partial.is_file():
+        rows = []
+        for line in partial.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(_row(json.loads(line)))
+            except json.JSONDecodeError:  # a last line cut off by an interruption
+                continue
+        return rows, False
+    raise FileNotFoundError(
+        f"{run_dir} holds no predictions.csv nor predictions.partial.jsonl: give a run directory of "
+        "`python -m evaluation` (one per press, value and length, under <output-dir>/<model>/)."
+    )
+
+
+def _row(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "task": row["task"],
+        "id": str(row["id"]),
+        "score": float(row["score"]),
+        "compression_ratio": float(row["compression_ratio"]),
+    }
+
+
+def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
+    """:func:`~evaluation.intervals.paired_difference` of two run directories' scores (``A - B``), with each run's
+    mean score and compression ratio over the paired samples, per task and overall (mean over tasks)."""
+    rows_a, done_a = read_run(run_a)
+    rows_b, done_b = read_run(run_b)
+    by_a: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    by_b: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for rows, by in ((rows_a, by_a), (rows_b, by_b)):
+        for r in rows:
+            by[r["task"]][r["id"]] = r
+    result = paired_difference(
+        {t: {i: r["score"] for i, r in s.items()} for t, s in by_a.items()},
+        {t: {i: r["score"] for i, r in s.items()} for t, s in by_b.items()},
+    )
+    for task, entry in result["tasks"].items():
+        common = sorted(set(by_a[task]) & set(by_b[task]))
+        for side, by in (("a", by_a), ("b", by_b)):
+            entry[f"score_{side}"] = sum(by[task][i]["score"] for i in common) / len(common)
+            entry[f"compression_{side}"] = sum(by[task][i]["compression_ratio"] for i in common) / len(common)
+    for key in ("score_a", "score_b", "compression_a", "compression_b"):
+        result[key] = sum(t[key] for t in result["tasks"].values()) / len(result["tasks"])
+    result.update(run_a=str(run_a), run_b=str(run_b), finished_a=done_a, finished_b=done_b)
+    return result
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+    """The comparison as a Markdown table, one row per task and one for the run (mean over tasks)."""
+
+    def line(name: str, e: dict[str, Any]) -> str:
+        low, high = e["interval"]
+        verdict = "A higher" if low > 0 else "B higher" if high < 0 else "not resolved"
+        evicted = f"{100 * e['compression_a']:.1f}% | {100 * e['compression_b']:.1f}%"
+        return (
+            f"| {name} | {e['n']} | {e['score_a']:.1f} | {e['score_b']:.1f} | {e['difference']:+.1f} "
+            f"[{low:+.1f}, {high:+.1f}] | {verdict} | {evicted} |"
+        )
+
+    out = [
+        f"A: {result['run_a']}" + ("" if result["finished_a"] else " (unfinished)"),
+        f"B: {result['run_b']}" + ("" if result["finished_b"] else " (unfinished)"),
+        "",
+        "| task | paired samples | A | B | A - B [95%, paired bootstrap] | | A evicted | B evicted |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    out += [line(task, e) for task, e in result["tasks"].items()]
+    out.append(line("**mean over tasks**", result))
+    if result["unpaired"]:
+        out.append(f"\n{result['unpaired']} samples answered by one run only were left out.")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m evaluation compare") -> int:
+    """``python -m evaluation compare RUN_A RUN_B [--json]``; prints the table (or the JSON)."""
+    import sys
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0].split(": ", 1)[1])
+    parser.add_argument("run_a", help="a run directory (holding predictions.csv or predictions.partial.jsonl)")
+    parser.add_argument("run_b", help="the run to compare it with, on the same benchmark")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args(argv)
+    try:
+        result = compare_runs(args.run_a, args.run_b)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else format_comparison(result).rstrip("\n"))
+    return 0
