@@ -4,7 +4,8 @@ Reads every ``metrics.json`` below a results directory (as written by :mod:`eval
 ``accuracy_vs_compression.png`` (one panel per model, dataset and length, one line per press with 95% error bars,
 the full cache as a dashed line inside its shaded interval), ``accuracy_by_task.png`` (each task's score against
 its own compression ratio), ``summary.md`` (one row per run, one column per task,
-every score with its 95% interval, and where each press leaves the full cache's interval) and ``summary.csv`` (the
+every score with its 95% interval, where each press leaves the full cache's interval, and its paired difference
+from the full cache: :func:`paired_vs_full_cache`) and ``summary.csv`` (the
 same numbers, one column per bound). Runs written before intervals were recorded get them from their
 ``predictions.csv``. Datasets without a target length (LongBench, AIME25) have ``length`` None. A line is a press and
 the weights it read: a run with other weights than the surrogate bundled now is a series of its own, named
@@ -33,6 +34,7 @@ __all__ = [
     "collect_results",
     "summary_table",
     "summary_rows",
+    "paired_vs_full_cache",
     "task_compression",
     "compare_to_full_cache",
     "highest_compression_inside",
@@ -215,6 +217,34 @@ def compare_to_full_cache(result: dict[str, Any], full: dict[str, Any] | None) -
     return f"{side}, intervals {'disjoint' if disjoint else 'overlap'}"
 
 
+def paired_vs_full_cache(result: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The paired difference of a run's score and the full cache's (:func:`evaluation.compare.compare_runs`: both
+    runs' per-sample scores, matched by task and id), or None for the full cache itself, a panel without one, or
+    runs without per-sample predictions.
+
+    Returns
+    -------
+    ``{"difference", "interval", "n"}``, in points; a loss is resolved when the interval's upper end is below 0.
+    """
+    if full is None or result is full or result["press"] == "no_press":
+        return None
+    from .compare import compare_runs
+
+    try:
+        paired = compare_runs(result["run_dir"], full["run_dir"])
+    except (FileNotFoundError, ValueError):
+        return None
+    return {"difference": paired["difference"], "interval": paired["interval"], "n": paired["n"]}
+
+
+def _paired_label(paired: dict[str, Any] | None) -> str:
+    if paired is None:
+        return ""
+    low, high = paired["interval"]
+    verdict = "loss" if high < 0 else "gain" if low > 0 else "not resolved"
+    return f"{paired['difference']:+.1f} [{low:+.1f}, {high:+.1f}] {verdict}"
+
+
 def _full_cache_runs(results: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
     return {_panel(r): r for r in results if r["press"] == "no_press"}
 
@@ -275,17 +305,35 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for task in tasks:
             row[f"{task}_compression_ratio"] = (r.get("tasks_compression_ratio") or {}).get(task)
         row["vs_full_cache"] = compare_to_full_cache(r, full.get(_panel(r)))
+        paired = paired_vs_full_cache(r, full.get(_panel(r)))
+        row["paired_difference"] = None if paired is None else paired["difference"]
+        row["paired_difference_low"], row["paired_difference_high"] = (
+            (None, None) if paired is None else paired["interval"]
+        )
         rows.append(row)
     return rows
 
 
 def summary_table(results: list[dict[str, Any]]) -> str:
     """A markdown table: model, length, press, parameter, compression ratio, mean score and one column per task,
-    each score with its 95% interval (``54.0 [41.2, 66.3]``), and where the score lies against the full cache's
-    interval; then, per panel, the highest compression each press reaches inside that interval."""
+    each score with its 95% interval (``54.0 [41.2, 66.3]``), where the score lies against the full cache's
+    interval, and the paired difference from the full cache (``-2.1 [-6.0, +1.5] not resolved``: the runs'
+    per-sample differences bootstrapped, :func:`paired_vs_full_cache`); then, per panel, the highest compression
+    each press reaches inside that interval."""
     tasks = sorted({task for r in results for task in r["tasks"]})
     full = _full_cache_runs(results)
-    header = ["model", "dataset", "length", "press", "parameter", "compression", "score", "vs full cache", *tasks]
+    header = [
+        "model",
+        "dataset",
+        "length",
+        "press",
+        "parameter",
+        "compression",
+        "score",
+        "vs full cache",
+        "minus full cache, paired",
+        *tasks,
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         task_ci = r.get("tasks_ci") or {}
@@ -298,6 +346,7 @@ def summary_table(results: list[dict[str, Any]]) -> str:
             f"{r['compression_ratio']:.3f}",
             _with_ci(r["score"], r.get("score_ci"), 2),
             compare_to_full_cache(r, full.get(_panel(r))),
+            _paired_label(paired_vs_full_cache(r, full.get(_panel(r)))),
             *(_with_ci(r["tasks"][t], task_ci.get(t), 1) if t in r["tasks"] else "" for t in tasks),
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -6,7 +6,13 @@ import json
 import pytest
 
 from evaluation.intervals import run_intervals
-from evaluation.plots import collect_results, compare_to_full_cache, highest_compression_inside, summarize
+from evaluation.plots import (
+    collect_results,
+    compare_to_full_cache,
+    highest_compression_inside,
+    paired_vs_full_cache,
+    summarize,
+)
 
 
 def _write(root, name, press, score, ci, compression=0.0, value=None, knob="threshold"):
@@ -77,8 +83,9 @@ def test_table_csv_and_error_bars(sweep, tmp_path, monkeypatch):
     assert mlp[1] == [0.4, 0.6, 0.7, 0.85] and mlp[3] == [[10.0, 10.0, 10.0, 8.0], [10.0, 10.0, 10.0, 10.0]]
 
     table = paths["table"].read_text()
-    assert "| m | ruler_offline | 2048 | no_press | - | 0.000 | 50.00 [40.0, 60.0] |  | 50.0 [40.0, 60.0] |" in table
-    assert "| kvzap_mlp | tau=-3 | 0.850 | 20.00 [12.0, 30.0] | below, intervals disjoint |" in table
+    assert "| m | ruler_offline | 2048 | no_press | - | 0.000 | 50.00 [40.0, 60.0] |  |  | 50.0 [40.0, 60.0] |" in table
+    # No predictions.csv in these runs: no paired difference.
+    assert "| kvzap_mlp | tau=-3 | 0.850 | 20.00 [12.0, 30.0] | below, intervals disjoint |  |" in table
     assert "- m, ruler_offline, 2048 tokens: kvzap_mlp 0.600 (tau=-5), kvzip_plus_threshold none" in table
 
     with paths["csv"].open(newline="") as handle:
@@ -86,6 +93,39 @@ def test_table_csv_and_error_bars(sweep, tmp_path, monkeypatch):
     row = rows[("kvzap_mlp", "-4.0")]
     assert (row["score"], row["score_low"], row["score_high"]) == ("35.0", "25.0", "45.0")
     assert (row["t_low"], row["t_high"], row["vs_full_cache"]) == ("25.0", "45.0", "below, intervals overlap")
+
+
+def _write_predictions(run, scores, compression):
+    with (run / "predictions.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["task", "id", "prediction", "answers", "score", "compression_ratio", "n_tokens"])
+        for i, score in enumerate(scores):
+            writer.writerow(["t", i, "x", "[]", score, compression, 100])
+
+
+def test_the_paired_difference_from_the_full_cache(sweep, tmp_path):
+    """With per-sample predictions, each run gets its paired difference from the full cache in the table and CSV."""
+    full = [100.0] * 25 + [0.0] * 15
+    _write_predictions(sweep / "full", full, 0.0)
+    _write_predictions(sweep / "b", [0.0] * 6 + full[6:], 0.6)  # loses 6 of the full cache's 25 needles: -15
+    _write_predictions(sweep / "a", full, 0.4)  # the same answers: 0, nothing to resolve
+    results = collect_results(sweep)
+    runs = {(r["press"], r["value"]): r for r in results}
+    full_run = runs[("no_press", None)]
+    paired = paired_vs_full_cache(runs[("kvzap_mlp", -5.0)], full_run)
+    assert paired["difference"] == pytest.approx(-15.0) and paired["n"] == 40 and paired["interval"][1] < 0
+    assert paired_vs_full_cache(full_run, full_run) is None
+    assert paired_vs_full_cache(runs[("kvzap_mlp", -4.0)], full_run) is None  # run c has no predictions
+
+    paths = summarize(sweep, tmp_path / "out")
+    table = paths["table"].read_text()
+    low, high = paired["interval"]
+    assert f"| -15.0 [{low:+.1f}, {high:+.1f}] loss |" in table
+    assert "| +0.0 [+0.0, +0.0] not resolved |" in table
+    with paths["csv"].open(newline="") as handle:
+        rows = {(r["press"], r["value"]): r for r in csv.DictReader(handle)}
+    assert float(rows[("kvzap_mlp", "-5.0")]["paired_difference"]) == pytest.approx(-15.0)
+    assert rows[("kvzap_mlp", "-4.0")]["paired_difference"] == ""
 
 
 def test_runs_without_intervals_get_them_from_their_predictions(tmp_path):
