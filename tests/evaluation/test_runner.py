@@ -442,7 +442,12 @@ def test_processes_share_the_runs(tmp_path, monkeypatch):
 def test_process_share_under_torchrun_on_cpu(tmp_path):
     """Two CPU processes launched by torchrun see ranks 0 and 1 of 2 (accelerate needs cpu=True to see them)."""
     script = tmp_path / "share.py"
-    script.write_text("from evaluation.runner import _process_share\nprint('share', *_process_share()[:2])\n")
+    # Each process writes its own file: the processes' stdout interleave in torchrun's.
+    script.write_text(
+        "import os, pathlib\nfrom evaluation.runner import _process_share\n"
+        f"pathlib.Path({str(tmp_path)!r}, 'share-' + os.environ['RANK']).write_text("
+        "'share %d %d' % _process_share()[:2])\n"
+    )
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run(
@@ -453,7 +458,7 @@ def test_process_share_under_torchrun_on_cpu(tmp_path):
         timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    shares = sorted(line for line in out.stdout.splitlines() if line.startswith("share"))
+    shares = [(tmp_path / f"share-{rank}").read_text() for rank in (0, 1)]
     assert shares == ["share 0 2", "share 1 2"]
 
 
