@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .intervals import paired_difference
+from .runner import PARTIAL, _read_partial
 
 __all__ = ["read_run", "compare_runs", "format_comparison", "main"]
 
@@ -30,15 +31,9 @@ def read_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], bool]:
         with finished.open(newline="", encoding="utf-8") as handle:
             rows = list(csv.DictReader(handle))
         return [_row(r) for r in rows], True
-    partial = run_dir / "predictions.partial.jsonl"
+    partial = run_dir / PARTIAL
     if partial.is_file():
-        rows = []
-        for line in partial.read_text(encoding="utf-8").splitlines():
-            try:
-                rows.append(_row(json.loads(line)))
-            except json.JSONDecodeError:  # a last line cut off by an interruption
-                continue
-        return rows, False
+        return [_row(r) for r in _read_partial(partial).values()], False
     raise FileNotFoundError(
         f"{run_dir} holds no predictions.csv nor predictions.partial.jsonl: give a run directory of "
         "`python -m evaluation` (one per press, value and length, under <output-dir>/<model>/)."

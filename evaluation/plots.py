@@ -50,8 +50,8 @@ def collect_results(results_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
     Returns
     -------
-    list of dict (the metrics, with ``run_dir`` added), sorted by model, dataset, length, press and compression
-    ratio.
+    list of dict (the metrics, with ``run_dir`` and ``paired_vs_full_cache`` (:func:`paired_vs_full_cache`)
+    added), sorted by model, dataset, length, press and compression ratio.
     """
     root = Path(results_dir)
     if not root.is_dir():
@@ -66,6 +66,9 @@ def collect_results(results_dir: str | os.PathLike) -> list[dict[str, Any]]:
                 metrics[key] = record.get(key)
         results.append(_with_task_compression(_with_intervals({**metrics, "run_dir": str(path.parent)})))
     _label_weights(results)
+    full = _full_cache_runs(results)
+    for r in results:  # read each run's predictions once, for the table and the CSV
+        r["paired_vs_full_cache"] = paired_vs_full_cache(r, full.get(_panel(r)))
     results.sort(key=lambda r: (*_panel(r), _series(r), r["compression_ratio"]))
     return results
 
@@ -305,7 +308,7 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for task in tasks:
             row[f"{task}_compression_ratio"] = (r.get("tasks_compression_ratio") or {}).get(task)
         row["vs_full_cache"] = compare_to_full_cache(r, full.get(_panel(r)))
-        paired = paired_vs_full_cache(r, full.get(_panel(r)))
+        paired = r.get("paired_vs_full_cache")
         row["paired_difference"] = None if paired is None else paired["difference"]
         row["paired_difference_low"], row["paired_difference_high"] = (
             (None, None) if paired is None else paired["interval"]
@@ -346,7 +349,7 @@ def summary_table(results: list[dict[str, Any]]) -> str:
             f"{r['compression_ratio']:.3f}",
             _with_ci(r["score"], r.get("score_ci"), 2),
             compare_to_full_cache(r, full.get(_panel(r))),
-            _paired_label(paired_vs_full_cache(r, full.get(_panel(r)))),
+            _paired_label(r.get("paired_vs_full_cache")),
             *(_with_ci(r["tasks"][t], task_ci.get(t), 1) if t in r["tasks"] else "" for t in tasks),
         ]
         lines.append("| " + " | ".join(cells) + " |")
