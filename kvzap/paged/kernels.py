@@ -78,10 +78,9 @@ def _build_folder() -> Path | None:
         return None
 
 
-def _built() -> bool:
-    """Whether a build of the extension is already in torch's extension cache (it may still be rebuilt if the
-    source or flags changed: load_inline decides)."""
-    folder = _build_folder()
+def _built(folder: Path | None) -> bool:
+    """Whether a build of the extension is already in its ``folder`` of torch's extension cache (it may still be
+    rebuilt if the source or flags changed: load_inline decides)."""
     return folder is not None and any(folder.glob(f"{_EXTENSION}*.so"))
 
 
@@ -131,12 +130,13 @@ def _load():
     from torch.utils.cpp_extension import load_inline
 
     start = time.perf_counter()
-    if not _built():
+    folder = _build_folder()
+    if not _built(folder):
         logger.warning(
             "Building kvzap's fused CPU decode kernel (once per machine and torch version, about 30-60 s; "
             "KVZAP_KERNELS=0 skips it and uses the generic path)."
         )
-    _clear_stale_lock(_build_folder())
+    _clear_stale_lock(folder)
     load_inline(
         _EXTENSION,
         cpp_sources=[_SOURCE.read_text()],
