@@ -44,6 +44,7 @@ __all__ = [
     "load_config",
     "plan_runs",
     "plan_batches",
+    "interleave_tasks",
     "run_evaluation",
     "build_parser",
     "main",
@@ -557,6 +558,21 @@ def _can_pad(press: Any) -> bool:
     return bool(press.supports_padding and scorers_ok)
 
 
+def interleave_tasks(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples in the order a run answers them one at a time: the first sample of every task, then the second
+    of every task, and so on (tasks in their order of first appearance, each task's samples in their order).
+
+    A run stopped part-way (evaluations at 4k tokens take hours on a CPU) then holds about as many samples of every
+    task, so its partial score (``python -m evaluation compare`` reads partial runs) is an estimate of the whole
+    run's, not the score of its first tasks. The order changes no answer: every sample is answered on its own.
+    """
+    by_task: dict[Any, list[dict[str, Any]]] = {}
+    for sample in samples:
+        by_task.setdefault(sample["task"], []).append(sample)
+    rounds = max((len(group) for group in by_task.values()), default=0)
+    return [group[i] for i in range(rounds) for group in by_task.values() if i < len(group)]
+
+
 def plan_batches(lengths: list[int], budgets: list[int], batch_size: int, equal_lengths: bool) -> list[list[int]]:
     """Split samples into batches of at most ``batch_size``, as indices into the lists.
 
@@ -613,7 +629,7 @@ def _evaluate_run(
     max_context_length = config.max_context_length if benchmark.truncation == "end" else None
     partial = directory / PARTIAL if directory is not None else None
     done = _read_partial(partial) if partial is not None else {}
-    todo = [s for s in samples if _sample_key(s) not in done]
+    todo = interleave_tasks([s for s in samples if _sample_key(s) not in done])
     if len(todo) < len(samples):
         logger.info("Resuming %s: %d of %d samples done", run.label, len(samples) - len(todo), len(samples))
 
