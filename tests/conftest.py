@@ -14,6 +14,10 @@ from transformers import (
     Qwen3Config,
 )
 
+# torch's default generator starts from a random seed: a test that draws weights without seeding (a random
+# surrogate in a fixture) would otherwise see different weights in every run.
+torch.manual_seed(0)
+
 COMMON = dict(
     vocab_size=128,
     hidden_size=64,
