@@ -7,10 +7,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_SKIP = {".venv", "outputs", "build", "dist", ".git", "node_modules"}
-DOCS = sorted(
-    p for p in ROOT.rglob("*.md") if not _SKIP.intersection(p.relative_to(ROOT).parts) and ".egg-info" not in str(p)
-)
+_SKIP = {"outputs", "build", "dist", "node_modules", "site-packages"}
+
+
+def _ours(path: Path) -> bool:
+    """A document of the repository: not under a hidden folder (virtual environments such as CI's `.venv-ci-*`,
+    `.git`), an output or build folder, or an installed package."""
+    parts = path.relative_to(ROOT).parts[:-1]
+    return not any(part.startswith(".") or part in _SKIP or part.endswith(".egg-info") for part in parts)
+
+
+DOCS = sorted(p for p in ROOT.rglob("*.md") if _ours(p))
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
