@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
 from kvzap import _compat
 from kvzap.attention import ATTENTION_NAME, bind, ensure_registered, unbind
@@ -537,7 +537,12 @@ class BasePress(ABC):
             readers = tuple(s for s in scorers if s.reads_prefill_inputs) if self.scores_needed else ()
             original_attn = model.config._attn_implementation
             handles = []
+            # Continuous batching runs its own scheduler and paged cache: refused by name before it changes anything
+            # (transformers' own error would name kvzap's attention and advise switching it, unpruned).
+            shadowed = [n for n in _CONTINUOUS_BATCHING if hasattr(model, n) and n not in vars(model)]
             try:
+                for name in shadowed:
+                    vars(model)[name] = functools.partial(_refuse_continuous_batching, name)
                 model.set_attn_implementation(ATTENTION_NAME)
                 handles.append(model.register_forward_pre_hook(self._model_start_hook, with_kwargs=True))
                 start = functools.partial(self._forward_start_hook, modules)
@@ -551,6 +556,8 @@ class BasePress(ABC):
                     handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
                 yield model
             finally:
+                for name in shadowed:
+                    vars(model).pop(name, None)
                 for handle in handles:
                     handle.remove()
                 unbind(modules)
@@ -641,12 +648,30 @@ def pad_columns(layer: PrunableLayer, first: int, n: int) -> torch.Tensor | None
 _PADS, _PAD_MAX, _PAD_EVICTED = "pads", "pad_max", "pad_evicted"
 
 
+# transformers' continuous-batching entry points (``generate(cache_implementation="paged")`` calls the first).
+_CONTINUOUS_BATCHING = ("generate_batch", "init_continuous_batching", "continuous_batching_context_manager")
+
+
+def _refuse_continuous_batching(name: str, *args: Any, **kwargs: Any) -> None:
+    raise NotImplementedError(
+        f"`{name}` (transformers' continuous batching) cannot run under a kvzap press: it keeps the KV pairs in its "
+        "own paged cache, which the press cannot prune. Under the press, call `model.generate` on a left-padded "
+        "batch, or the `kv-press-text-generation` pipeline with a list of contexts and `batch_size=`; or leave the "
+        "`with press(model):` block to batch continuously without pruning."
+    )
+
+
 def _check_cache(cache: Any, keep_sliding: bool = False) -> None:
     """Refuse caches the press cannot prune (offloaded, static, quantized, or filled without the press).
 
     ``keep_sliding``: the press leaves sliding-window layers alone (``prune_sliding_layers=False``), so those
     layers hold tokens without ever being wrapped: they are not "filled without the press".
     """
+    if not isinstance(cache, Cache):
+        raise TypeError(
+            f"kvzap presses prune a `transformers.DynamicCache`, got a {type(cache).__name__} (continuous batching's "
+            "paged cache, a legacy tuple, or another object). Pass no cache (one is created) or a `DynamicCache`."
+        )
     if getattr(cache, "offloading", False):
         raise TypeError(
             "kvzap presses cannot prune an offloaded cache (layers moved between devices by the cache): "

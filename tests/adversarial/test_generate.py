@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, QuantizedCache, StaticCache
+from transformers import DynamicCache, GenerationConfig, QuantizedCache, StaticCache
 
 from kvzap._compat import CROP_TAKES_NEGATIVE_COUNT, TRANSFORMERS_VERSION, cache_kwarg_name, crop_count
-from tests.adversarial._probe import evicted_sets, inf_press, pruning_press, refused
+from tests.adversarial._probe import (
+    assert_model_unchanged,
+    evicted_sets,
+    inf_press,
+    model_fingerprint,
+    pruning_press,
+    refused,
+)
 from tests.conftest import random_ids, tiny_model
 
 STORAGES = ["compact", "masked"]
@@ -260,6 +267,41 @@ def test_an_offloading_dynamic_cache_is_refused(model):
     ids = random_ids(1, 10, seed=10)
     with refused(model, TypeError, "offloaded cache", cache=cache), pruning_press()(model):
         model(ids, **{cache_kwarg_name(model): cache})
+
+
+@pytest.mark.parametrize("entry", ["generate_batch", "generate_paged", "init_continuous_batching"])
+def test_continuous_batching_is_refused_by_name_before_any_change(entry):
+    # A model of its own: transformers' continuous batching may leave its manager or attention setting behind.
+    model = tiny_model("llama")
+    ids = random_ids(1, 12, seed=12)
+    config = GenerationConfig(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with refused(model, NotImplementedError, "continuous batching.*cannot run under a kvzap press"):
+        with pruning_press()(model):
+            if entry == "generate_batch":
+                model.generate_batch(inputs=ids.tolist(), generation_config=config)
+            elif entry == "generate_paged":  # generate() hands this cache implementation to generate_batch
+                model.generate(ids, max_new_tokens=3, cache_implementation="paged")
+            else:
+                model.init_continuous_batching(generation_config=config)
+    assert not {"generate_batch", "init_continuous_batching"} & set(vars(model))
+
+
+def test_a_continuous_batching_manager_started_before_the_press_fails_its_requests_clearly():
+    model = tiny_model("llama")
+    ids = random_ids(1, 12, seed=13)[0].tolist()
+    config = GenerationConfig(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        before = model_fingerprint(model)
+        with pruning_press()(model):
+            request = manager.add_request(ids, max_new_tokens=3)
+            result = manager.get_result(request_id=request, timeout=60)
+        assert_model_unchanged(before, model)
+    finally:
+        manager.stop(block=True)
+    assert result is not None and not result.generated_tokens
+    assert "got a PagedAttentionCache" in str(result.error)
 
 
 def test_output_attentions_is_refused(model):
