@@ -45,6 +45,19 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_t
 _CACHE_KWARGS = ("cache", "past_key_values")
 
 
+#: ``generate``'s prefill step (private; ``_prefill(input_ids, generation_config, model_kwargs, ...)`` in 5.2 to 5.24).
+#: With ``prefill_chunk_size`` it runs the prompt as several forwards, which a press must see as one prompt.
+GENERATE_PREFILL = "_prefill"
+
+#: transformers' continuous-batching entry points (``generate(cache_implementation="paged")`` calls the first).
+CONTINUOUS_BATCHING = ("generate_batch", "init_continuous_batching", "continuous_batching_context_manager")
+
+
+def generation_config_of_prefill(args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """The ``generation_config`` argument of a call to ``generate``'s prefill step."""
+    return kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+
+
 def cache_from_kwargs(kwargs: Mapping[str, Any]) -> Cache | None:
     """Return the cache object an attention module was called with (``cache`` or ``past_key_values``)."""
     for name in _CACHE_KWARGS:

@@ -520,6 +520,15 @@ class BasePress(ABC):
             scorer.begin_prefill(model, input_ids, kwargs.get("inputs_embeds"), chunked=self._prefilling)
         return None
 
+    def _generate_prefill(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """``generate``'s prefill step under the press: a chunked one (``prefill_chunk_size``) runs inside
+        :meth:`prefilling`, so every chunk is pruned as prompt, whatever ``decoding`` says."""
+        config = _compat.generation_config_of_prefill(args, kwargs)
+        if getattr(config, "prefill_chunk_size", None) is None:
+            return original(*args, **kwargs)
+        with self.prefilling():
+            return original(*args, **kwargs)
+
     @contextlib.contextmanager
     def __call__(self, model: PreTrainedModel) -> Iterator[PreTrainedModel]:
         """Apply the press to ``model`` for the duration of the ``with`` block."""
@@ -537,12 +546,18 @@ class BasePress(ABC):
             readers = tuple(s for s in scorers if s.reads_prefill_inputs) if self.scores_needed else ()
             original_attn = model.config._attn_implementation
             handles = []
-            # Continuous batching runs its own scheduler and paged cache: refused by name before it changes anything
-            # (transformers' own error would name kvzap's attention and advise switching it, unpruned).
-            shadowed = [n for n in _CONTINUOUS_BATCHING if hasattr(model, n) and n not in vars(model)]
+            # Methods of the model shadowed for the block (instance attributes, removed on exit). Continuous
+            # batching runs its own scheduler and paged cache: refused by name before it changes anything
+            # (transformers' own error names kvzap's attention and advises switching it, unpruned). generate's
+            # chunked prefill runs as one prompt (as in `prefilling()`), not as a prompt chunk then "decoding".
+            shadows = {n: functools.partial(_refuse_continuous_batching, n) for n in _compat.CONTINUOUS_BATCHING}
+            if hasattr(model, _compat.GENERATE_PREFILL):
+                original = getattr(model, _compat.GENERATE_PREFILL)
+                shadows[_compat.GENERATE_PREFILL] = functools.partial(self._generate_prefill, original)
+            shadowed = [n for n in shadows if hasattr(model, n) and n not in vars(model)]
             try:
                 for name in shadowed:
-                    vars(model)[name] = functools.partial(_refuse_continuous_batching, name)
+                    vars(model)[name] = shadows[name]
                 model.set_attn_implementation(ATTENTION_NAME)
                 handles.append(model.register_forward_pre_hook(self._model_start_hook, with_kwargs=True))
                 start = functools.partial(self._forward_start_hook, modules)
@@ -646,10 +661,6 @@ def pad_columns(layer: PrunableLayer, first: int, n: int) -> torch.Tensor | None
 
 # Keys of a layer's press_state that the base press owns (a sequence's padding), whatever press subclass runs.
 _PADS, _PAD_MAX, _PAD_EVICTED = "pads", "pad_max", "pad_evicted"
-
-
-# transformers' continuous-batching entry points (``generate(cache_implementation="paged")`` calls the first).
-_CONTINUOUS_BATCHING = ("generate_batch", "init_continuous_batching", "continuous_batching_context_manager")
 
 
 def _refuse_continuous_batching(name: str, *args: Any, **kwargs: Any) -> None:

@@ -145,7 +145,8 @@ class KVzipPlusScorer(Scorer):
         if chunked:
             raise ValueError(
                 "KVzipPlusScorer scores a context from one forward of the whole context, so it cannot serve a "
-                "chunked prefill (press.prefilling(), the pipeline's prefill_chunk_size): prefill in one forward."
+                "chunked prefill (press.prefilling(), the prefill_chunk_size of the pipeline or of generate): prefill "
+                "in one forward."
             )
         if input_ids is None:
             raise ValueError(

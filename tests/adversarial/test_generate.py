@@ -269,6 +269,36 @@ def test_an_offloading_dynamic_cache_is_refused(model):
         model(ids, **{cache_kwarg_name(model): cache})
 
 
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("decoding", [False, True])
+def test_generate_chunked_prefill_prunes_every_chunk_as_prompt(model, storage, decoding):
+    # Reference: the same chunks as forwards inside press.prefilling() (the pipeline's chunked prefill). Before,
+    # generate's later chunks went through the decoding path: with decoding=False they were never pruned.
+    ids = random_ids(1, 60, seed=14)
+    kw = cache_kwarg_name(model)
+    reference, cache = pruning_press(storage, decoding=decoding), DynamicCache(config=model.config)
+    with reference(model), reference.prefilling(), torch.no_grad():
+        for chunk in ids.split(16, dim=1):
+            logits = model(chunk, **{kw: cache}).logits
+    press, generated = pruning_press(storage, decoding=decoding), DynamicCache(config=model.config)
+    out = generate(model, ids, press, max_new_tokens=1, prefill_chunk_size=16, **{kw: generated})
+    assert 0.3 < press.compression_ratio == reference.compression_ratio
+    assert torch.equal(press.sample_compression_ratios, reference.sample_compression_ratios)
+    for got, want in zip(evicted_sets(generated), evicted_sets(cache), strict=True):
+        assert torch.equal(got, want)
+    assert out[0, -1] == logits[0, -1].argmax()
+
+
+def test_an_oracle_scorer_refuses_generate_chunked_prefill_before_any_change(model):
+    from kvzap import DMSThresholdPress, KVzipPlusScorer
+    from tests.conftest import char_tokenizer
+
+    press = DMSThresholdPress(KVzipPlusScorer(char_tokenizer()), threshold=-5.0)
+    with refused(model, ValueError, "chunked prefill.*prefill_chunk_size of the pipeline or of generate"):
+        with press(model):
+            model.generate(random_ids(1, 40, seed=15), max_new_tokens=2, pad_token_id=0, prefill_chunk_size=16)
+
+
 @pytest.mark.parametrize("entry", ["generate_batch", "generate_paged", "init_continuous_batching"])
 def test_continuous_batching_is_refused_by_name_before_any_change(entry):
     # A model of its own: transformers' continuous batching may leave its manager or attention setting behind.
