@@ -92,15 +92,20 @@ def test_cache_after_prefill_and_decoding(storage):
         assert held <= bound(model, storage, seen, kept), (held, full_cache_bytes(model.config, seen), kept)
 
 
+@pytest.mark.parametrize("chunk", [None, 512])
 @pytest.mark.parametrize("storage", ["compact", "masked"])
 @torch.no_grad()
-def test_generate_returns_a_cache_of_the_kept_share(storage):
+def test_generate_returns_a_cache_of_the_kept_share(storage, chunk):
+    # chunk: generate's own chunked prefill, whose later chunks must be pruned as prompt too (decoding=False).
     model = wide_llama()
     press = press_for(storage, decoding=False)
     ids = random_ids(1, N_PROMPT, vocab=model.config.vocab_size)
     with press(model):
-        out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+        out = model.generate(
+            ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True, prefill_chunk_size=chunk
+        )
     kept = 1 - press.compression_ratio
+    assert 0.3 < kept < 0.45, kept
     held = reachable_bytes(out.past_key_values, model_storage_keys(model)).total
     assert held <= bound(model, storage, N_PROMPT, kept)
 
