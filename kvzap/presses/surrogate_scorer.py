@@ -76,7 +76,7 @@ class SurrogateScorer(Scorer):
             return self.module_class.from_pretrained(bundled, expect=expect)
         hub_id = self._hub_id(short) if short else None
         fix = (
-            f"Train one with `python -m train` and pass {type(self).__name__}(surrogate='<output dir>'), "
+            f"Train one with `kvzap train` and pass {type(self).__name__}(surrogate='<output dir>'), "
             "or pass a directory or Hub id in the published format."
         )
         if hub_id is None:

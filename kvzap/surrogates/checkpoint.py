@@ -54,7 +54,7 @@ WEIGHTS_NAME = "model.safetensors"
 
 _HOW_TO_FIX = (
     "To fix it, pass a local directory that holds config.json and model.safetensors, "
-    "train a surrogate for this model with `python -m train`, "
+    "train a surrogate for this model with `kvzap train`, "
     "or go online (unset HF_HUB_OFFLINE, check the repo id, and pass token= for a private or gated repo)."
 )
 
@@ -260,7 +260,7 @@ def check_config_fields(
     if differing:
         raise ValueError(
             f"The surrogate config {str(path)!r} does not fit the model: {'; '.join(differing)}. Pass the surrogate "
-            "trained for this model, or train one with `python -m train`."
+            "trained for this model, or train one with `kvzap train`."
         )
 
 

@@ -148,7 +148,7 @@ class FastKVzipGates(nn.Module):
         if ours != theirs:
             raise ValueError(
                 f"These Fast KVzip gates were built for (layers, hidden size, KV heads, group size) = {ours}, but "
-                f"{model_name} has {theirs}. Train gates for this model with `python -m train gate`, "
+                f"{model_name} has {theirs}. Train gates for this model with `kvzap train gate`, "
                 "or pass the gates trained for it."
             )
 

@@ -265,7 +265,7 @@ class KVzapSurrogate(nn.Module):
         raise ValueError(
             f"This KVzap surrogate was built for {self.n_modules} layers, hidden size {self.input_dim} and "
             f"{self.output_dim} KV heads, but {model_name} has {num_layers} layers, hidden size {hidden_size} and "
-            f"{num_kv_heads} KV heads. Train a surrogate for this model with `python -m train`, "
+            f"{num_kv_heads} KV heads. Train a surrogate for this model with `kvzap train`, "
             f"or pass the surrogate that was trained for it."
         )
 

@@ -188,13 +188,13 @@ def test_extra_key_is_unexpected(tmp_path):
 def test_local_directory_without_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt, "hf_hub_download", _fail_if_called)
     (tmp_path / "config.json").write_text(json.dumps(published_config(None)))
-    with pytest.raises(SurrogateNotFoundError, match=r"has no model\.safetensors.*python -m train"):
+    with pytest.raises(SurrogateNotFoundError, match=r"has no model\.safetensors.*kvzap train"):
         KVzapSurrogate.from_pretrained(tmp_path)
 
 
 def test_missing_local_path_does_not_try_the_hub(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt, "hf_hub_download", _fail_if_called)
-    with pytest.raises(SurrogateNotFoundError, match=r"does not exist.*local directory.*python -m train"):
+    with pytest.raises(SurrogateNotFoundError, match=r"does not exist.*local directory.*kvzap train"):
         KVzapSurrogate.from_pretrained(tmp_path / "nowhere")
 
 
@@ -229,7 +229,7 @@ def test_hub_failures_raise_surrogate_not_found(monkeypatch, error, hint):
     assert info.value.__cause__ is error
     assert "'nvidia/KVzap-mlp-Missing'" in message and "config.json" in message
     assert hint in message
-    assert "local directory" in message and "python -m train" in message and "go online" in message
+    assert "local directory" in message and "kvzap train" in message and "go online" in message
 
 
 def test_other_errors_propagate(monkeypatch):

@@ -90,6 +90,6 @@ def test_gates_for_another_model_are_refused(llama):
 def test_nothing_bundled_for_a_tiny_model_is_a_clear_error():
     from kvzap.surrogates import SurrogateNotFoundError
 
-    with pytest.raises(SurrogateNotFoundError, match="python -m train"):
+    with pytest.raises(SurrogateNotFoundError, match="kvzap train"):
         with DMSThresholdPress(FastKVzipScorer(), threshold=-3)(tiny_model("qwen3")):
             pass

@@ -146,4 +146,4 @@ def test_check_compatible_names_both_shapes_and_the_fix(kwargs):
         f"TinyLlama has {kwargs['num_layers']} layers, hidden size {kwargs['hidden_size']} "
         f"and {kwargs['num_kv_heads']} KV heads"
     ) in message
-    assert "python -m train" in message
+    assert "kvzap train" in message
