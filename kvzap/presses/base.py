@@ -524,9 +524,8 @@ class BasePress(ABC):
         """``generate``'s prefill step under the press: a chunked one (``prefill_chunk_size``) runs inside
         :meth:`prefilling`, so every chunk is pruned as prompt, whatever ``decoding`` says."""
         config = _compat.generation_config_of_prefill(args, kwargs)
-        if getattr(config, "prefill_chunk_size", None) is None:
-            return original(*args, **kwargs)
-        with self.prefilling():
+        chunked = getattr(config, "prefill_chunk_size", None) is not None
+        with self.prefilling() if chunked else contextlib.nullcontext():
             return original(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -551,8 +550,8 @@ class BasePress(ABC):
             # (transformers' own error names kvzap's attention and advises switching it, unpruned). generate's
             # chunked prefill runs as one prompt (as in `prefilling()`), not as a prompt chunk then "decoding".
             shadows = {n: functools.partial(_refuse_continuous_batching, n) for n in _compat.CONTINUOUS_BATCHING}
-            if hasattr(model, _compat.GENERATE_PREFILL):
-                original = getattr(model, _compat.GENERATE_PREFILL)
+            original = getattr(model, _compat.GENERATE_PREFILL, None)
+            if original is not None:
                 shadows[_compat.GENERATE_PREFILL] = functools.partial(self._generate_prefill, original)
             shadowed = [n for n in shadows if hasattr(model, n) and n not in vars(model)]
             try:

@@ -54,8 +54,8 @@ class KVzipPlusScorer(Scorer):
       generated tokens) have no score and are never evicted: :attr:`supports_decoding` is False, so
       ``DMSThresholdPress(..., decoding=True)`` is refused, and ``TopKPress`` prunes the prefill only. Asking
       for the score of a later pair raises a ValueError.
-    - A chunked prefill (``press.prefilling()``, the pipeline's ``prefill_chunk_size``) is refused when its
-      first chunk starts: the oracle needs the whole context in one forward.
+    - A chunked prefill (``press.prefilling()``, the ``prefill_chunk_size`` of the pipeline or of ``generate``) is
+      refused when its first chunk starts: the oracle needs the whole context in one forward.
     - Batches work, each row scored by its own extra forward. Left-padded batches are refused: the repeat
       prompt of a padded row would hold its padding.
       A prefill given as ``inputs_embeds`` is refused: the repeat prompt is made of token ids.
