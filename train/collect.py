@@ -57,6 +57,7 @@ __all__ = [
     "collect",
     "kvzip_plus_scores",
     "load_collection",
+    "load_collections",
     "sample_positions",
     "scoring_attention",
 ]
@@ -304,19 +305,77 @@ def load_collection(out_dir: str | os.PathLike, target: str = "y") -> tuple[torc
     manifest : dict
         The manifest, plus ``prompt_index`` ``(rows,)`` under the key ``"prompt_index"``.
     """
-    from safetensors.torch import load_file
-
-    out_dir = Path(out_dir)
-    manifest_file = out_dir / MANIFEST_NAME
-    if not manifest_file.exists():
-        raise FileNotFoundError(f"{manifest_file} not found: the collection in {out_dir} is missing or unfinished.")
-    manifest = json.loads(manifest_file.read_text())
-    parts = [load_file(str(out_dir / s["file"])) for s in manifest["shards"]]
-    X = torch.cat([p["X"] for p in parts])  # (rows, n_layers, D)
-    if target not in parts[0]:
-        raise ValueError(
-            f"The collection in {out_dir} has no {target!r} targets; collect with `--with-kvzip` for Fast KVzip gates."
-        )
-    y = torch.cat([p[target] for p in parts])  # (rows, n_layers, kv_heads)
-    manifest["prompt_index"] = torch.cat([p["prompt_index"] for p in parts])
+    X, y, (manifest,) = load_collections([out_dir], target=target)
     return X, y, manifest
+
+
+def load_collections(
+    out_dirs: Sequence[str | os.PathLike], target: str = "y"
+) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
+    """Read finished collections into one ``X`` and one ``y``, in the order given.
+
+    Each shard is read and copied once into tensors allocated for all the rows, then dropped: the peak is the
+    result plus one shard (a collection of 300 prompts is ~5 GB of hidden states; concatenating loaded
+    collections would hold every one of them twice).
+
+    Parameters
+    ----------
+    out_dirs : sequence of str or PathLike
+        Directories written by :func:`collect`, for the same model and layers.
+    target : ``"y"`` (log KVzip+, default) or ``"y_kvzip"`` (log KVzip, collected with ``with_kvzip=True``).
+
+    Returns
+    -------
+    X : torch.Tensor
+        ``(rows, n_layers, D)`` hidden states (storage dtype).
+    y : torch.Tensor
+        ``(rows, n_layers, kv_heads)`` float32 log-scores.
+    manifests : list of dict
+        Each collection's manifest, plus ``prompt_index`` ``(rows,)`` (that collection's own prompt numbers).
+    """
+    from safetensors import safe_open
+
+    out_dirs = [Path(d) for d in out_dirs]
+    if not out_dirs:
+        raise ValueError("Name at least one collection folder.")
+    manifests = []
+    for out_dir in out_dirs:
+        manifest_file = out_dir / MANIFEST_NAME
+        if not manifest_file.exists():
+            raise FileNotFoundError(f"{manifest_file} not found: the collection in {out_dir} is missing or unfinished.")
+        manifests.append(json.loads(manifest_file.read_text()))
+    total = sum(int(s["rows"]) for m in manifests for s in m["shards"])
+    X = y = None
+    row = 0
+    for out_dir, manifest in zip(out_dirs, manifests, strict=True):
+        prompt_index = []
+        for shard in manifest["shards"]:
+            with safe_open(str(out_dir / shard["file"]), framework="pt") as f:
+                if target not in f.keys():
+                    raise ValueError(
+                        f"The collection in {out_dir} has no {target!r} targets; collect with `--with-kvzip` for "
+                        "Fast KVzip gates."
+                    )
+                X_part, y_part = f.get_tensor("X"), f.get_tensor(target)
+                prompt_index.append(f.get_tensor("prompt_index"))
+            n = X_part.shape[0]
+            if n != int(shard["rows"]):
+                raise ValueError(
+                    f"{out_dir / shard['file']} holds {n} rows where its manifest says {shard['rows']}: the "
+                    "collection is damaged; collect it again."
+                )
+            if X is None:
+                X = torch.empty((total, *X_part.shape[1:]), dtype=X_part.dtype)
+                y = torch.empty((total, *y_part.shape[1:]), dtype=y_part.dtype)
+            elif X_part.shape[1:] != X.shape[1:] or y_part.shape[1:] != y.shape[1:]:
+                raise ValueError(
+                    f"{out_dir} holds pairs of shape {tuple(X_part.shape[1:])} / {tuple(y_part.shape[1:])}, the "
+                    f"first collection {tuple(X.shape[1:])} / {tuple(y.shape[1:])}: the collections come from "
+                    "different models (or layers)."
+                )
+            X[row : row + n] = X_part
+            y[row : row + n] = y_part
+            row += n
+            del X_part, y_part
+        manifest["prompt_index"] = torch.cat(prompt_index)
+    return X, y, manifests

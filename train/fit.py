@@ -806,23 +806,30 @@ def _load_with_kinds(
 
     Returns ``X (N, L, D)``, ``y (N, L, H)``, ``groups (N,)``, ``kinds`` (N names) and the first manifest.
     """
-    from .collect import load_collection
+    from .collect import MANIFEST_NAME, load_collections
 
     if not dirs:
         raise ValueError("Name at least one collection folder.")
-    Xs, ys, groups, kinds, manifests, offset = [], [], [], [], [], 0
-    for directory in dirs:
-        X, y, manifest = load_collection(directory)
+    _check_same_model(dirs, MANIFEST_NAME)
+    X, y, manifests = load_collections(dirs)
+    groups, kinds, offset = [], [], 0
+    for directory, manifest in zip(dirs, manifests, strict=True):
         prompt_index = manifest["prompt_index"]
         kinds += collection_kinds(directory, prompt_index)
-        Xs.append(X)
-        ys.append(y)
         groups.append(prompt_index + offset)  # prompt 0 of the second collection is another prompt
         offset += int(manifest["n_prompts"])
-        manifests.append(manifest)
-    if len({_model_key(m) for m in manifests}) > 1:
+    return X, y, torch.cat(groups), kinds, manifests[0]
+
+
+def _check_same_model(dirs: Sequence[str | os.PathLike], manifest_name: str) -> None:
+    """Refuse collections of different models (or layers) from their manifests, before reading any shard."""
+    keys = set()
+    for directory in dirs:
+        manifest_file = Path(directory) / manifest_name
+        if manifest_file.exists():  # a missing one is reported by the loader
+            keys.add(_model_key(json.loads(manifest_file.read_text())))
+    if len(keys) > 1:
         raise ValueError(f"The collections {[str(d) for d in dirs]} come from different models (or layers).")
-    return torch.cat(Xs), torch.cat(ys), torch.cat(groups), kinds, manifests[0]
 
 
 def evaluate_saved(
@@ -1000,7 +1007,7 @@ def fit_and_save(
     dict
         The report written to ``r2.json`` (settings, sizes, R^2 per surrogate).
     """
-    from .collect import load_collection
+    from .collect import MANIFEST_NAME, load_collection, load_collections
 
     for model_type in model_types:
         if model_type not in MODEL_TYPES:
@@ -1010,12 +1017,9 @@ def fit_and_save(
     train_dirs = [train_dir] if isinstance(train_dir, (str, os.PathLike)) else list(train_dir)
     if not train_dirs:
         raise ValueError("train_dir must name at least one collection.")
-    parts = [load_collection(d) for d in train_dirs]
-    if len({_model_key(p[2]) for p in parts}) > 1:
-        raise ValueError(f"The collections {[str(d) for d in train_dirs]} come from different models (or layers).")
-    X = torch.cat([p[0] for p in parts])  # (N, L, D)
-    y = torch.cat([p[1] for p in parts])  # (N, L, H)
-    manifest = {**parts[0][2], "n_prompts": sum(p[2]["n_prompts"] for p in parts)}
+    _check_same_model(train_dirs, MANIFEST_NAME)
+    X, y, manifests = load_collections(train_dirs)  # (N, L, D), (N, L, H): each shard copied once
+    manifest = {**manifests[0], "n_prompts": sum(m["n_prompts"] for m in manifests)}
     logger.info("Training pairs: X %s, y %s from %s", tuple(X.shape), tuple(y.shape), ", ".join(map(str, train_dirs)))
     test = load_collection(test_dir) if test_dir is not None else None
     test_kinds = None

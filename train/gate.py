@@ -121,12 +121,10 @@ def fit_gates_and_save(
     config: GateConfig | None = None,
 ) -> dict:
     """Fit gates on collections made with ``with_kvzip=True``; write ``out_dir`` and ``out_dir/report.json``."""
-    from .collect import load_collection
+    from .collect import load_collection, load_collections
 
     config = config or GateConfig()
-    parts = [load_collection(d, target="y_kvzip") for d in train_dirs]
-    X = torch.cat([p[0] for p in parts])
-    y = torch.cat([p[1] for p in parts])
+    X, y, _ = load_collections(train_dirs, target="y_kvzip")  # each shard copied once
     gates, curves = fit_gates(X, y, n_groups, config)
     out_dir = Path(out_dir)
     gates.save_pretrained(out_dir)

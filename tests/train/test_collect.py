@@ -15,6 +15,7 @@ from train.collect import (
     collect,
     kvzip_plus_scores,
     load_collection,
+    load_collections,
     sample_positions,
 )
 
@@ -146,6 +147,31 @@ def test_collect_shards_resume(tiny_llama, tiny_tokenizer, tmp_path):
 
     with pytest.raises(ValueError, match="other settings"):
         collect(tiny_llama, tiny_tokenizer, prompts, tmp_path, n_tokens=5, shard_size=3, seed=1)
+
+
+def test_load_collections_reads_several_into_one_copy(tiny_llama, tiny_tokenizer, tmp_path):
+    """Several collections read into one X/y equal their separate loads concatenated; each keeps its prompt numbers."""
+    texts = ["alpha beta gamma", "delta epsilon", "zeta eta theta iota", "kappa"]
+    prompts = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    collect(tiny_llama, tiny_tokenizer, prompts, tmp_path / "a", n_tokens=6, shard_size=3, seed=1)
+    collect(tiny_llama, tiny_tokenizer, prompts[:3], tmp_path / "b", n_tokens=5, shard_size=2, seed=2)
+    a, b = load_collection(tmp_path / "a"), load_collection(tmp_path / "b")
+    X, y, manifests = load_collections([tmp_path / "a", tmp_path / "b"])
+    assert X.dtype == a[0].dtype and y.dtype == a[1].dtype
+    torch.testing.assert_close(X, torch.cat([a[0], b[0]]), rtol=0, atol=0)
+    torch.testing.assert_close(y, torch.cat([a[1], b[1]]), rtol=0, atol=0)
+    assert manifests[1]["prompt_index"].tolist() == b[2]["prompt_index"].tolist()
+    assert [m["n_prompts"] for m in manifests] == [4, 3]
+
+    # A shard whose rows disagree with its manifest, or a missing collection, is refused by name.
+    manifest_file = tmp_path / "b" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["shards"][0]["rows"] += 1
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="shard-00000.safetensors holds .* rows where its manifest says"):
+        load_collections([tmp_path / "a", tmp_path / "b"])
+    with pytest.raises(FileNotFoundError, match="missing or unfinished"):
+        load_collections([tmp_path / "a", tmp_path / "nothing"])
 
 
 @pytest.mark.slow
