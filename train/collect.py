@@ -288,22 +288,10 @@ def _write_manifest(out_dir: Path, settings: dict, n_shards: int) -> dict:
 
 
 def load_collection(out_dir: str | os.PathLike, target: str = "y") -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Read a finished collection.
+    """Read a finished collection: :func:`load_collections` of one folder, with its one manifest.
 
-    Parameters
-    ----------
-    out_dir : str or PathLike
-        Directory written by :func:`collect`.
-    target : ``"y"`` (log KVzip+, default) or ``"y_kvzip"`` (log KVzip, collected with ``with_kvzip=True``).
-
-    Returns
-    -------
-    X : torch.Tensor
-        ``(rows, n_layers, D)`` hidden states (storage dtype).
-    y : torch.Tensor
-        ``(rows, n_layers, kv_heads)`` float32 log-scores.
-    manifest : dict
-        The manifest, plus ``prompt_index`` ``(rows,)`` under the key ``"prompt_index"``.
+    Returns ``X`` ``(rows, n_layers, D)`` (storage dtype), ``y`` ``(rows, n_layers, kv_heads)`` (``target``: ``"y"``
+    log KVzip+, or ``"y_kvzip"`` log KVzip) and the manifest with ``prompt_index`` ``(rows,)``.
     """
     X, y, (manifest,) = load_collections([out_dir], target=target)
     return X, y, manifest
