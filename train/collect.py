@@ -287,6 +287,18 @@ def _write_manifest(out_dir: Path, settings: dict, n_shards: int) -> dict:
     return manifest
 
 
+def _model_key(manifest: dict) -> tuple:
+    """What collections concatenated together must share: the model and the layers collected."""
+    layers = manifest.get("layers")
+    return (
+        manifest["model"],
+        manifest["n_layers"],
+        manifest["hidden_size"],
+        manifest["kv_heads"],
+        None if layers is None else tuple(layers),
+    )
+
+
 def load_collection(out_dir: str | os.PathLike, target: str = "y") -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Read a finished collection: :func:`load_collections` of one folder, with its one manifest.
 
@@ -332,6 +344,8 @@ def load_collections(
         if not manifest_file.exists():
             raise FileNotFoundError(f"{manifest_file} not found: the collection in {out_dir} is missing or unfinished.")
         manifests.append(json.loads(manifest_file.read_text()))
+    if len({_model_key(m) for m in manifests}) > 1:  # refused before any shard is read
+        raise ValueError(f"The collections {[str(d) for d in out_dirs]} come from different models (or layers).")
     total = sum(int(s["rows"]) for m in manifests for s in m["shards"])
     X = y = None
     row = 0

@@ -403,18 +403,6 @@ def layer_map(manifest: dict) -> dict:
     return {"layers": layers, "n_model_layers": manifest["n_layers"] if layers is not None else None}
 
 
-def _model_key(manifest: dict) -> tuple:
-    """What collections concatenated together must share: the model and the layers collected."""
-    layers = manifest.get("layers")
-    return (
-        manifest["model"],
-        manifest["n_layers"],
-        manifest["hidden_size"],
-        manifest["kv_heads"],
-        None if layers is None else tuple(layers),
-    )
-
-
 def _layer_arrays(
     X: torch.Tensor, y: torch.Tensor, layer: int, rows: torch.Tensor | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -806,11 +794,10 @@ def _load_with_kinds(
 
     Returns ``X (N, L, D)``, ``y (N, L, H)``, ``groups (N,)``, ``kinds`` (N names) and the first manifest.
     """
-    from .collect import MANIFEST_NAME, load_collections
+    from .collect import load_collections
 
     if not dirs:
         raise ValueError("Name at least one collection folder.")
-    _check_same_model(dirs, MANIFEST_NAME)
     X, y, manifests = load_collections(dirs)
     groups, kinds, offset = [], [], 0
     for directory, manifest in zip(dirs, manifests, strict=True):
@@ -819,17 +806,6 @@ def _load_with_kinds(
         groups.append(prompt_index + offset)  # prompt 0 of the second collection is another prompt
         offset += int(manifest["n_prompts"])
     return X, y, torch.cat(groups), kinds, manifests[0]
-
-
-def _check_same_model(dirs: Sequence[str | os.PathLike], manifest_name: str) -> None:
-    """Refuse collections of different models (or layers) from their manifests, before reading any shard."""
-    keys = set()
-    for directory in dirs:
-        manifest_file = Path(directory) / manifest_name
-        if manifest_file.exists():  # a missing one is reported by the loader
-            keys.add(_model_key(json.loads(manifest_file.read_text())))
-    if len(keys) > 1:
-        raise ValueError(f"The collections {[str(d) for d in dirs]} come from different models (or layers).")
 
 
 def evaluate_saved(
@@ -1007,7 +983,7 @@ def fit_and_save(
     dict
         The report written to ``r2.json`` (settings, sizes, R^2 per surrogate).
     """
-    from .collect import MANIFEST_NAME, load_collection, load_collections
+    from .collect import load_collection, load_collections
 
     for model_type in model_types:
         if model_type not in MODEL_TYPES:
@@ -1017,7 +993,6 @@ def fit_and_save(
     train_dirs = [train_dir] if isinstance(train_dir, (str, os.PathLike)) else list(train_dir)
     if not train_dirs:
         raise ValueError("train_dir must name at least one collection.")
-    _check_same_model(train_dirs, MANIFEST_NAME)
     X, y, manifests = load_collections(train_dirs)  # (N, L, D), (N, L, H): each shard copied once
     manifest = {**manifests[0], "n_prompts": sum(m["n_prompts"] for m in manifests)}
     logger.info("Training pairs: X %s, y %s from %s", tuple(X.shape), tuple(y.shape), ", ".join(map(str, train_dirs)))

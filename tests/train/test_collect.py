@@ -163,12 +163,15 @@ def test_load_collections_reads_several_into_one_copy(tiny_llama, tiny_tokenizer
     assert manifests[1]["prompt_index"].tolist() == b[2]["prompt_index"].tolist()
     assert [m["n_prompts"] for m in manifests] == [4, 3]
 
-    # A shard whose rows disagree with its manifest, or a missing collection, is refused by name.
+    # A shard whose rows disagree with its manifest, another model's collection, or a missing one is refused.
     manifest_file = tmp_path / "b" / "manifest.json"
     manifest = json.loads(manifest_file.read_text())
     manifest["shards"][0]["rows"] += 1
     manifest_file.write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="shard-00000.safetensors holds .* rows where its manifest says"):
+        load_collections([tmp_path / "a", tmp_path / "b"])
+    manifest_file.write_text(json.dumps({**manifest, "model": "another/model"}))
+    with pytest.raises(ValueError, match="come from different models"):  # before any shard is read
         load_collections([tmp_path / "a", tmp_path / "b"])
     with pytest.raises(FileNotFoundError, match="missing or unfinished"):
         load_collections([tmp_path / "a", tmp_path / "nothing"])
