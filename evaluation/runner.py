@@ -102,6 +102,12 @@ class EvalConfig:
         a batch shares) so that padding stays small; presses that cannot prune a padded batch (top-k, the KVzip+
         oracle) and chunked prefills batch contexts of equal length only. Not part of a run's identity: a sweep
         may resume with another batch size.
+    shard : ``"K/N"``: this process answers the K-th of N interleaved shares of every run's samples (samples K,
+        K + N, ... in the order :func:`interleave_tasks` gives), so that N processes started by hand on one
+        ``output_dir`` (two cores, two GPUs, two machines sharing a disk) split one run. They append to the same
+        ``predictions.partial.jsonl``; whichever answers a run's last sample writes its results. Not part of a
+        run's identity (the answers do not depend on it). ``accelerate launch`` splits a sweep's runs instead:
+        use one or the other.
     """
 
     model: str | None = None
@@ -133,6 +139,7 @@ class EvalConfig:
     device: str | None = None
     dtype: str = "float32"
     batch_size: int = 1
+    shard: str | None = None
 
     # --- resolved values -----------------------------------------------------------------------------------------
     @property
@@ -180,6 +187,14 @@ class EvalConfig:
         if self.surrogate is not None and (Path(self.surrogate).expanduser() / kind / "config.json").is_file():
             return str(Path(self.surrogate) / kind)
         return self.surrogate
+
+    @property
+    def shard_parts(self) -> tuple[int, int]:
+        """``(K, N)`` of ``shard``; ``(0, 1)`` without one."""
+        if self.shard is None:
+            return 0, 1
+        index, count = (int(v) for v in str(self.shard).split("/"))
+        return index, count
 
     def decoding_for(self, knob: str | None) -> bool | None:
         """Whether a threshold press prunes while decoding (always for sampled datasets); None for other presses."""
@@ -264,6 +279,14 @@ class EvalConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}.")
         self._validate_batching()
+        if self.shard is not None:
+            match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(self.shard))
+            if match is None or not int(match[1]) < int(match[2]):
+                raise ValueError(
+                    f"shard must be 'K/N' with 0 <= K < N (process K of N; start one process for each K from 0 to "
+                    f"N - 1 on the same output directory), got {self.shard!r}."
+                )
+            self.shard = f"{int(match[1])}/{int(match[2])}"
 
     def _validate_batching(self) -> None:
         """Refuse batch sizes below 1, and batches whose answers or statistics would differ from batch 1."""
@@ -617,9 +640,12 @@ def _evaluate_run(
     With ``directory``, each finished sample (each finished batch) is appended to its ``predictions.partial.jsonl``
     and the samples found there are not run again: a killed run resumes where it stopped.
 
+    With ``config.shard`` (``"K/N"``), only this process's share of the samples is answered, and the rows are
+    returned only when the other shares' rows are on disk too (None otherwise).
+
     Returns
     -------
-    list of dict, one row per sample, in the order of ``samples``.
+    list of dict, one row per sample, in the order of ``samples``; None when other shards still have samples.
     """
     benchmark = config.benchmark
     # One press for the whole run: its per-sequence state lives in the cache and its statistics restart at each
@@ -629,9 +655,13 @@ def _evaluate_run(
     max_context_length = config.max_context_length if benchmark.truncation == "end" else None
     partial = directory / PARTIAL if directory is not None else None
     done = _read_partial(partial) if partial is not None else {}
-    todo = interleave_tasks([s for s in samples if _sample_key(s) not in done])
-    if len(todo) < len(samples):
-        logger.info("Resuming %s: %d of %d samples done", run.label, len(samples) - len(todo), len(samples))
+    index, count = config.shard_parts
+    # This process's share: every count-th sample of the interleaved order, the same in every process (whatever
+    # each has done), so that the shares cover the run once and each mixes every task.
+    mine = interleave_tasks(samples)[index::count]
+    todo = [s for s in mine if _sample_key(s) not in done]
+    if len(todo) < len(mine):
+        logger.info("Resuming %s: %d of %d samples done", run.label, len(mine) - len(todo), len(mine))
 
     def row(sample: dict[str, Any], prediction: str, ratio: float) -> dict[str, Any]:
         return {
@@ -651,7 +681,7 @@ def _evaluate_run(
             _append_partial(partial, new)
 
     budgets = [config.max_new_tokens or s["max_new_tokens"] for s in todo]
-    progress = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=run.label, leave=False, unit="sample")
+    progress = tqdm(total=len(mine), initial=len(mine) - len(todo), desc=run.label, leave=False, unit="sample")
     if benchmark.sampled or config.batch_size == 1:
         for sample, budget in zip(todo, budgets, strict=True):
             if benchmark.sampled:
@@ -710,6 +740,20 @@ def _evaluate_run(
             finish([row(todo[i], a[0], r) for i, a, r in zip(batch, answers, ratios, strict=True)])
             progress.update(len(batch))
     progress.close()
+    if count > 1:
+        done.update(_read_partial(partial))  # the other shares' rows, as far as their processes got
+        left = sum(_sample_key(s) not in done for s in samples)
+        if left:
+            logger.warning(
+                "%s: shard %s answered its %d samples; %d of the run's %d samples are left to the other shards, and "
+                "the process that answers the last one writes the run's results (or rerun without --shard).",
+                run.label,
+                config.shard,
+                len(mine),
+                left,
+                len(samples),
+            )
+            return None
     return [done[_sample_key(s)] for s in samples]
 
 
@@ -760,7 +804,8 @@ def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None)
     Returns
     -------
     list of dict, one per run (finished now or before): ``{"run_dir", "press", "knob", "value", "length",
-    "dataset", "metrics", "skipped"}``.
+    "dataset", "metrics", "skipped"}``; ``metrics`` is None for a run whose other shards (``config.shard``) still
+    have samples to answer.
     """
     config.validate()
     if (model is None) != (tokenizer is None):
@@ -769,6 +814,11 @@ def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None)
     for run in runs:  # fail before loading anything if a press cannot be built (building one loads no weights)
         _make_run_press(config, run)
     rank, world, device = _process_share()
+    if world > 1 and config.shard is not None:
+        raise ValueError(
+            f"shard {config.shard} splits each run's samples between processes started by hand, and accelerate "
+            f"launch ({world} processes) splits the sweep's runs between its processes: use one or the other."
+        )
     if world > 1:
         runs = runs[rank::world]
         if config.device is None and device is not None and model is None:
@@ -805,6 +855,9 @@ def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None)
             encoding="utf-8",
         )
         rows = _evaluate_run(pipe, config, run, samples_by_length[run.length], model, tokenizer, directory)
+        if rows is None:  # this shard's samples are answered, other shards' are not yet
+            results.append({"run_dir": str(directory), **dataclasses.asdict(run), "metrics": None, "skipped": False})
+            continue
         metrics = {
             **_summarize(rows, config.task_list),
             **dataclasses.asdict(run),
@@ -812,9 +865,12 @@ def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None)
             "surrogate": config.surrogate_for(run.press),  # None: the default one (bundled or published)
             "surrogate_weights": surrogate_weights(config, run.press, model_name),
         }
-        _write_predictions(directory / "predictions.csv", rows)
+        # Through a file of this process's own: two shards that both see the run complete write the same rows.
+        predictions = directory / f"predictions.csv.{os.getpid()}.tmp"
+        _write_predictions(predictions, rows)
+        predictions.replace(directory / "predictions.csv")
         # Written last: its presence marks the run as finished; the rows of the unfinished run are then redundant.
-        tmp = metrics_path.with_suffix(".json.tmp")
+        tmp = metrics_path.with_suffix(f".json.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(metrics, indent=2), encoding="utf-8")
         tmp.replace(metrics_path)
         (directory / PARTIAL).unlink(missing_ok=True)
@@ -939,6 +995,11 @@ def build_parser(prog: str = "python -m evaluation") -> argparse.ArgumentParser:
         help="contexts prefilled together as one left-padded batch, sorted by length (default 1; same answers; "
         "top-k and KVzip+ presses batch equal lengths only; not for aime25, --decoding or random)",
     )
+    parser.add_argument(
+        "--shard",
+        help="K/N: answer the K-th of N shares of every run's samples; start N processes (K = 0 .. N-1) on the "
+        "same --output-dir, and the one that answers a run's last sample writes its results",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     return parser
 
@@ -959,6 +1020,9 @@ def _format_results(results: list[dict[str, Any]]) -> str:
     for result in results:
         metrics = result["metrics"]
         label = RunSpec(**{f.name: result[f.name] for f in dataclasses.fields(RunSpec)}).label
+        if metrics is None:
+            lines.append(f"{label:56s} {'this shard done; other shards unfinished':>32s}")
+            continue
         mark = " (cached)" if result["skipped"] else ""
         # Runs finished before intervals were recorded have none: `plot` computes them from predictions.csv.
         ci = metrics.get("score_ci")

@@ -198,3 +198,52 @@ def test_interleave_tasks_takes_each_task_in_turn():
     samples = [{"task": t, "id": f"{t}{i}"} for t, n in (("a", 3), ("b", 1), ("c", 2)) for i in range(n)]
     assert [s["id"] for s in interleave_tasks(samples)] == ["a0", "b0", "c0", "a1", "c1", "a2"]
     assert interleave_tasks([]) == []
+
+
+def test_shards_split_a_run_and_the_last_one_writes_its_results(tmp_path, surrogate, batch_one, monkeypatch):
+    # Each share is answered by its own process in real use; here one after the other, with a pipeline that records
+    # which samples each answers.
+    asked = []
+    original_forward = KVPressTextGenerationPipeline._forward
+
+    def record(self, inputs, *args, **kwargs):
+        asked.append(inputs["context_ids"].shape[1])
+        return original_forward(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(KVPressTextGenerationPipeline, "_forward", record)
+    first = _sweep(tmp_path, surrogate, shard="0/3")
+    assert [r["metrics"] for r in first] == [None, None] and len(asked) == 2 * 3  # 8 samples: shares of 3, 3, 2
+    partials = sorted(tmp_path.rglob("predictions.partial.jsonl"))
+    assert [len(p.read_text().splitlines()) for p in partials] == [3, 3]
+    # The first share holds samples of both tasks (shares are cut from the interleaved order).
+    assert {json.loads(line)["task"] for line in partials[0].read_text().splitlines()} == {"niah_single", "cwe"}
+    assert _sweep(tmp_path, surrogate, shard="2/3")[0]["metrics"] is None and len(asked) == 2 * 5
+    last = _sweep(tmp_path, surrogate, shard="1/3")
+    assert len(asked) == 2 * 8  # every sample answered once, by one shard
+    assert _outputs(last) == batch_one  # the files of the run made in one process, under the same names
+    assert not list(tmp_path.rglob("predictions.partial.jsonl")) and not list(tmp_path.rglob("*.tmp"))
+    again = _sweep(tmp_path, surrogate, shard="0/3")  # finished runs are skipped by every shard
+    assert all(r["skipped"] for r in again) and len(asked) == 2 * 8
+
+
+@pytest.mark.parametrize("shard", ["3/3", "1", "-1/2", "a/b", "1/0"])
+def test_a_bad_shard_is_refused_before_anything_runs(tmp_path, shard):
+    with pytest.raises(ValueError, match="shard must be 'K/N' with 0 <= K < N"):
+        load_config(output_dir=str(tmp_path), shard=shard, **SETTINGS)
+    assert not any(tmp_path.iterdir())
+
+
+def test_shard_on_the_command_line(tmp_path, surrogate, capsys, monkeypatch):
+    from evaluation import runner
+
+    monkeypatch.setattr(runner, "_load_model", lambda config: (tiny_model("llama"), char_tokenizer()))
+    args = ["--output-dir", str(tmp_path), "--surrogate", surrogate, "--press", "kvzap_mlp", "--threshold", "0"]
+    args += ["--tasks", "cwe", "--lengths", "400", "--n-samples", "2", "--max-new-tokens", "4"]
+    args += ["--sliding-window-size", "8"]
+    assert main([*args, "--shard", "1/2"]) == 0
+    assert "this shard done; other shards unfinished" in capsys.readouterr().out
+    assert main([*args, "--shard", "0/2"]) == 0
+    out = capsys.readouterr().out
+    assert "kvzap_mlp" in out and "unfinished" not in out
+    (metrics,) = tmp_path.rglob("metrics.json")
+    assert json.loads(metrics.read_text())["n_predictions"] == 2
