@@ -5,6 +5,8 @@ The test suite checks this on CPU for every supported family; this script repeat
 decoding-time pruning), plus a SmolLM2-135M-sized random Llama at 4k tokens, and writes a JSON report.
 
     python -m benchmarks.gpu_check --device cuda --json benchmarks/results/gpu_check.json
+
+Exits with status 1 when any comparison disagrees (different kept counts, or logits apart by 1e-3 or more).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from transformers import DynamicCache
 from benchmarks.common import load, meta, write_results
 from kvzap import _compat
 from kvzap.compact import CompactLayer
+from kvzap.layers import prunable_layers
 from kvzap.presses import DMSThresholdPress, RandomScorer
 from tests.conftest import random_ids, tiny_model
 
@@ -37,7 +40,8 @@ def run_steps(model, storage, ids, question, n_decode, threshold, window):
         logits.append(model(question, **{kw: cache}).logits.float())
         for _ in range(n_decode):
             logits.append(model(logits[-1][:, -1:].argmax(-1), **{kw: cache}).logits.float())
-    kept = torch.stack([layer.kept_counts() for layer in cache.layers]).cpu()
+    # The layers the press prunes (sliding-window layers are left alone by default and keep transformers' class).
+    kept = torch.stack([cache.layers[i].kept_counts() for i in prunable_layers(model)]).cpu()
     return logits, kept, press.compression_ratio, cache
 
 
@@ -61,6 +65,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--prefill", type=int, default=4096, help="prompt tokens of the SmolLM2-sized model")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     rows = []
@@ -74,13 +79,16 @@ def main(argv=None) -> None:
     for batch in (1, 2):
         row = {
             "model": "random SmolLM2-135M-sized Llama",
-            **compare(model, device, batch, prefill=4096, question=32, n_decode=32, threshold=0.44, window=128),
+            **compare(model, device, batch, prefill=args.prefill, question=32, n_decode=32, threshold=0.44, window=128),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
     ok = all(r["same_kept_counts"] and r["max_abs_logit_diff"] < 1e-3 for r in rows)
     print("compact == masked on", args.device, ":", ok)
     write_results(args.json, meta(tool="kvzap gpu_check", device=args.device), rows)
+    if not ok:  # a failed check stops run_gpu.sh (set -e) instead of going on to speed figures of a wrong cache
+        bad = [r for r in rows if not (r["same_kept_counts"] and r["max_abs_logit_diff"] < 1e-3)]
+        raise SystemExit(f"compact and masked storage disagree on {args.device}: {json.dumps(bad)}")
 
 
 if __name__ == "__main__":
