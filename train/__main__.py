@@ -118,6 +118,14 @@ def _add_fit_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--top-quantile", type=float, default=0.5, help="Where the top of the scores starts (default: %(default)s)."
     )
+    group.add_argument(
+        "--layers-at-once",
+        type=int,
+        default=None,
+        metavar="K",
+        help="Read and fit K layers at a time, so that collections larger than memory fit (the same training; "
+        "memory ~K/layers of the collection's). Default: all layers at once.",
+    )
 
 
 def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
@@ -301,7 +309,15 @@ def run_fit(args: argparse.Namespace, collection: Path, out: Path, extra_train: 
         top_quantile=args.top_quantile,
     )
     test_dir = collection / "test"
+    layers_at_once = getattr(args, "layers_at_once", None)
+    if layers_at_once is not None and layers_at_once < 1:
+        raise SystemExit(f"--layers-at-once must be a positive number of layers, got {layers_at_once}.")
     if getattr(args, "leave_kinds_out", None) is not None:
+        if layers_at_once is not None:
+            raise SystemExit(
+                "--layers-at-once applies to one fit; --leave-kinds-out loads the collections whole for each of its "
+                "fits: drop one of the two."
+            )
         from .fit import leave_kinds_out
 
         held_out = leave_kinds_out(
@@ -327,6 +343,7 @@ def run_fit(args: argparse.Namespace, collection: Path, out: Path, extra_train: 
         test_dir=test_dir if (test_dir / "manifest.json").exists() else None,
         model_types=tuple(args.types),
         mlp_config=config,
+        layers_at_once=layers_at_once,
     )
     print(f"train pairs: {report['n_train_pairs']}, held-out pairs: {report['n_test_pairs']}")
     for name, entry in report["surrogates"].items():

@@ -310,24 +310,28 @@ def load_collection(out_dir: str | os.PathLike, target: str = "y") -> tuple[torc
 
 
 def load_collections(
-    out_dirs: Sequence[str | os.PathLike], target: str = "y"
+    out_dirs: Sequence[str | os.PathLike], target: str = "y", layers: slice | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
     """Read finished collections into one ``X`` and one ``y``, in the order given.
 
     Each shard is read and copied once into tensors allocated for all the rows, then dropped: the peak is the
     result plus one shard (a collection of 300 prompts is ~5 GB of hidden states; concatenating loaded
-    collections would hold every one of them twice).
+    collections would hold every one of them twice). With ``layers``, only those collected layers are read from
+    each shard (a slice of the stored tensors): the result, and the peak, shrink in proportion.
 
     Parameters
     ----------
     out_dirs : sequence of str or PathLike
         Directories written by :func:`collect`, for the same model and layers.
     target : ``"y"`` (log KVzip+, default) or ``"y_kvzip"`` (log KVzip, collected with ``with_kvzip=True``).
+    layers : slice, optional
+        The collected layers to read (positions along the layer axis of ``X``, e.g. ``slice(0, 10)``; step 1);
+        all by default.
 
     Returns
     -------
     X : torch.Tensor
-        ``(rows, n_layers, D)`` hidden states (storage dtype).
+        ``(rows, n_layers, D)`` hidden states (storage dtype); ``n_layers`` is the number of ``layers`` read.
     y : torch.Tensor
         ``(rows, n_layers, kv_heads)`` float32 log-scores.
     manifests : list of dict
@@ -338,6 +342,10 @@ def load_collections(
     out_dirs = [Path(d) for d in out_dirs]
     if not out_dirs:
         raise ValueError("Name at least one collection folder.")
+    if layers is None:
+        layers = slice(None)
+    elif not isinstance(layers, slice) or layers.step not in (None, 1):
+        raise ValueError(f"layers must be a slice of consecutive collected layers, e.g. slice(0, 10), got {layers!r}.")
     manifests = []
     for out_dir in out_dirs:
         manifest_file = out_dir / MANIFEST_NAME
@@ -358,7 +366,8 @@ def load_collections(
                         f"The collection in {out_dir} has no {target!r} targets; collect with `--with-kvzip` for "
                         "Fast KVzip gates."
                     )
-                X_part, y_part = f.get_tensor("X"), f.get_tensor(target)
+                # A slice is read from the file alone: the other layers' bytes are never copied.
+                X_part, y_part = f.get_slice("X")[:, layers], f.get_slice(target)[:, layers]
                 prompt_index.append(f.get_tensor("prompt_index"))
             n = X_part.shape[0]
             if n != int(shard["rows"]):

@@ -450,19 +450,36 @@ def fit_surrogate(
     history : dict
         The MLP's training history (:func:`fit_layers_mlp`; all layers are fitted together); empty for linear.
     """
-    from tqdm.auto import tqdm
+    if X.ndim != 3 or y.ndim != 3 or X.shape[:2] != y.shape[:2]:
+        raise ValueError(f"Expected X (N, L, D) and y (N, L, H) with matching N and L, got {X.shape} and {y.shape}.")
+    n, n_layers, d = X.shape
+    if rows is not None:
+        n = rows.numel()
+    mlp_config = mlp_config or MLPConfig()
+    surrogate, layers = _empty_surrogate(model_type, d, y.shape[2], n_layers, mlp_config, layers, n_model_layers)
+    start = time.perf_counter()
+    fitted, history = _fit_modules(X, y, model_type, mlp_config, rows)
+    for column, module in enumerate(fitted):
+        surrogate.layers[layers[column]].load_state_dict(module.state_dict())
+    logger.debug("%s: %d layers fitted on %d pairs in %.1f s", model_type, n_layers, n, time.perf_counter() - start)
+    return surrogate.eval(), history
 
+
+def _empty_surrogate(
+    model_type: str,
+    d: int,
+    n_heads: int,
+    n_layers: int,
+    mlp_config: MLPConfig,
+    layers: Sequence[int] | None,
+    n_model_layers: int | None,
+):
+    """The surrogate :func:`fit_surrogate` fills in (untrained modules zeroed when layers were left out), and the
+    model layer of each collected layer."""
     from kvzap.surrogates import KVzapSurrogate
 
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}.")
-    if X.ndim != 3 or y.ndim != 3 or X.shape[:2] != y.shape[:2]:
-        raise ValueError(f"Expected X (N, L, D) and y (N, L, H) with matching N and L, got {X.shape} and {y.shape}.")
-    n, n_layers, d = X.shape
-    n_heads = y.shape[2]
-    if rows is not None:
-        n = rows.numel()
-    mlp_config = mlp_config or MLPConfig()
     hidden = None if model_type == "linear" else (mlp_config.hidden_dim or max(1, d // 8))
     if layers is None:
         layers, n_model_layers = list(range(n_layers)), n_layers
@@ -483,18 +500,105 @@ def fit_surrogate(
         with torch.no_grad():
             for parameter in surrogate.parameters():
                 parameter.zero_()
-    start = time.perf_counter()
+    return surrogate, list(layers)
+
+
+def _fit_modules(
+    X: torch.Tensor, y: torch.Tensor, model_type: str, mlp_config: MLPConfig, rows: torch.Tensor | None = None
+) -> tuple[list[nn.Module], dict]:
+    """One fitted module per layer of ``X`` ``(N, L, D)`` and ``y`` ``(N, L, H)``, and the MLP's history."""
+    from tqdm.auto import tqdm
+
     if model_type == "mlp":
-        logger.info("Fitting %d MLP layers together on %d pairs", n_layers, n)
-        fitted, history = fit_layers_mlp(X, y, mlp_config, rows=rows)
-    else:
-        fitted, history = [], {}
-        for column in tqdm(range(n_layers), desc="fit linear", unit="layer", disable=None):
-            fitted.append(fit_layer_linear(*_layer_arrays(X, y, column, rows)))
-    for column, module in enumerate(fitted):
-        surrogate.layers[layers[column]].load_state_dict(module.state_dict())
-    logger.debug("%s: %d layers fitted on %d pairs in %.1f s", model_type, n_layers, n, time.perf_counter() - start)
-    return surrogate.eval(), history
+        logger.info("Fitting %d MLP layers together on %d pairs", X.shape[1], len(y) if rows is None else len(rows))
+        return fit_layers_mlp(X, y, mlp_config, rows=rows)
+    fitted = [
+        fit_layer_linear(*_layer_arrays(X, y, column, rows))
+        for column in tqdm(range(X.shape[1]), desc="fit linear", unit="layer", disable=None)
+    ]
+    return fitted, {}
+
+
+@torch.no_grad()
+def _modules_r2(modules: Sequence[nn.Module], X: torch.Tensor, y: torch.Tensor, chunk: int = 65536) -> torch.Tensor:
+    """``(L, H)`` R^2 of one module per layer of ``X`` ``(N, L, D)`` against ``y`` ``(N, L, H)``."""
+    prediction = torch.stack(
+        [
+            torch.cat([module(X[i : i + chunk, j].float()) for i in range(0, X.shape[0], chunk)])
+            for j, module in enumerate(modules)
+        ],
+        dim=1,
+    )  # (N, L, H)
+    return pearson_r2(prediction, y.float())
+
+
+def fit_by_layer_groups(
+    train_dirs: Sequence[str | os.PathLike],
+    model_types: Sequence[str],
+    group_size: int,
+    mlp_config: MLPConfig | None = None,
+) -> tuple[dict, dict, dict]:
+    """Fit surrogates on collections ``group_size`` collected layers at a time, each group read from disk alone.
+
+    A surrogate has one module per layer, trained on that layer's pairs only, so the layers need not be in memory
+    together: each group of layers is read (:func:`train.collect.load_collections` with ``layers``), fitted for
+    every model type, and dropped before the next. Memory is that of ``group_size`` layers of hidden states (a
+    2,000-prompt collection of a 30-layer model, ~40 GB in all, fits in 8 GB with groups of 5). The training is
+    that of one fit of all layers (:func:`fit_layers_mlp`: each layer is initialised, batched, clipped and updated
+    as if alone; the same validation rows), up to the order of floating-point sums.
+
+    Returns
+    -------
+    surrogates : dict
+        model type -> fitted ``KVzapSurrogate``.
+    histories : dict
+        model type -> the history :func:`fit_surrogate` returns (losses summed over all layers per epoch).
+    extras : dict
+        model type -> ``{"train_r2": mean R^2 on the training pairs, "fit_seconds": fitting time}``; and
+        ``"manifests"``: the collections' manifests (with ``prompt_index``), ``"n_pairs"``: training rows.
+    """
+    from .collect import load_collections
+
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive number of layers, got {group_size!r}.")
+    mlp_config = mlp_config or MLPConfig()
+    surrogates: dict = {}
+    histories: dict = {}
+    extras: dict = {t: {"fit_seconds": 0.0, "r2": []} for t in model_types}
+    start, n_layers, manifests, n_pairs = 0, None, None, 0
+    while n_layers is None or start < n_layers:
+        X, y, group_manifests = load_collections(train_dirs, layers=slice(start, start + group_size))
+        if n_layers is None:  # the first group tells the shapes and the layers collected
+            manifests, n_pairs = group_manifests, int(X.shape[0])
+            mapping = layer_map(manifests[0])
+            n_layers = len(mapping["layers"]) if mapping["layers"] is not None else manifests[0]["n_layers"]
+            for model_type in model_types:
+                surrogates[model_type] = _empty_surrogate(
+                    model_type, X.shape[2], y.shape[2], n_layers, mlp_config, **mapping
+                )
+        logger.info("Layers %d-%d of %d: X %s", start, start + X.shape[1] - 1, n_layers, tuple(X.shape))
+        for model_type in model_types:
+            began = time.perf_counter()
+            fitted, history = _fit_modules(X, y, model_type, mlp_config)
+            surrogate, layers = surrogates[model_type]
+            for column, module in enumerate(fitted):
+                surrogate.layers[layers[start + column]].load_state_dict(module.state_dict())
+            extras[model_type]["fit_seconds"] += time.perf_counter() - began
+            extras[model_type]["r2"].append(_modules_r2(fitted, X, y))
+            merged = histories.setdefault(model_type, {})
+            for key, value in history.items():
+                if key in ("train_loss", "valid_loss"):  # summed over layers, per epoch
+                    merged[key] = [a + b for a, b in zip(merged[key], value, strict=True)] if key in merged else value
+                else:  # one value per layer
+                    merged[key] = merged.get(key, []) + value
+        start += X.shape[1]
+        del X, y
+    result = {t: surrogates[t][0].eval() for t in model_types}
+    for model_type in model_types:
+        extra = extras[model_type]
+        extra["train_r2"] = float(torch.cat(extra.pop("r2")).mean())
+    extras["manifests"], extras["n_pairs"] = manifests, n_pairs
+    return result, histories, extras
 
 
 def kept_overlap(
@@ -594,7 +698,7 @@ def evaluate_surrogate(
     surrogate,
     X: torch.Tensor,
     y: torch.Tensor,
-    batch_size: int = 65536,
+    batch_size: int | None = None,
     *,
     prompt_index: torch.Tensor | None = None,
     kinds: Sequence[str] | None = None,
@@ -609,8 +713,9 @@ def evaluate_surrogate(
         ``(N, L, D)`` held-out hidden states.
     y : torch.Tensor
         ``(N, L, H)`` held-out log-scores.
-    batch_size : int
-        Rows predicted at once (bounds memory).
+    batch_size : int, optional
+        Rows predicted at once (bounds memory: each batch is copied to float32). Default: as many as fit in
+        256 MiB of float32 (about 3,900 rows of SmolLM2-135M's 30 layers; a fixed 65,536 rows took 4.5 GB).
     prompt_index : torch.Tensor, optional
         ``(N,)`` prompt of each row: the per-head overlaps rank positions within each prompt (without it, over
         all rows).
@@ -624,6 +729,8 @@ def evaluate_surrogate(
         ``n_pairs``, ``n_prompts``, ``overlap`` (see :func:`kept_overlap`) and, with ``kinds``, ``per_kind``:
         kind -> the same keys but ``per_head``.
     """
+    if batch_size is None:
+        batch_size = max(1024, (256 << 20) // (4 * X.shape[1] * X.shape[2]))
     predictions = torch.cat(
         [surrogate.forward_all(X[i : i + batch_size].float()) for i in range(0, X.shape[0], batch_size)]
     )  # (N, L, H)
@@ -957,6 +1064,7 @@ def fit_and_save(
     test_dir: str | os.PathLike | None = None,
     model_types: tuple[str, ...] = MODEL_TYPES,
     mlp_config: MLPConfig | None = None,
+    layers_at_once: int | None = None,
 ) -> dict:
     """Fit surrogates on a collection, save them, and evaluate them on a held-out collection.
 
@@ -977,6 +1085,9 @@ def fit_and_save(
         Surrogates to fit.
     mlp_config : MLPConfig, optional
         MLP hyper-parameters.
+    layers_at_once : int, optional
+        Read and fit this many layers at a time (:func:`fit_by_layer_groups`: the same training, memory in
+        proportion); all layers at once by default.
 
     Returns
     -------
@@ -993,9 +1104,15 @@ def fit_and_save(
     train_dirs = [train_dir] if isinstance(train_dir, (str, os.PathLike)) else list(train_dir)
     if not train_dirs:
         raise ValueError("train_dir must name at least one collection.")
-    X, y, manifests = load_collections(train_dirs)  # (N, L, D), (N, L, H): each shard copied once
+    if layers_at_once is None:
+        X, y, manifests = load_collections(train_dirs)  # (N, L, D), (N, L, H): each shard copied once
+        n_pairs = int(X.shape[0])
+        shapes = f"X {tuple(X.shape)}, y {tuple(y.shape)}"
+        logger.info("Training pairs: %s from %s", shapes, ", ".join(map(str, train_dirs)))
+    else:  # fitted here, a group of layers at a time; never all in memory
+        grouped, histories, extras = fit_by_layer_groups(train_dirs, model_types, layers_at_once, mlp_config)
+        manifests, n_pairs = extras["manifests"], extras["n_pairs"]
     manifest = {**manifests[0], "n_prompts": sum(m["n_prompts"] for m in manifests)}
-    logger.info("Training pairs: X %s, y %s from %s", tuple(X.shape), tuple(y.shape), ", ".join(map(str, train_dirs)))
     test = load_collection(test_dir) if test_dir is not None else None
     test_kinds = None
     if test is not None and (Path(test_dir) / "prompts.jsonl").exists():
@@ -1004,18 +1121,24 @@ def fit_and_save(
         "model": manifest.get("model"),
         "train_dirs": [str(d) for d in train_dirs],
         "test_dir": None if test_dir is None else str(test_dir),
-        "n_train_pairs": int(X.shape[0]),
+        "n_train_pairs": n_pairs,
         "n_train_prompts": manifest.get("n_prompts"),
         "n_test_pairs": None if test is None else int(test[0].shape[0]),
         "n_test_prompts": None if test is None else test[2].get("n_prompts"),
         "mlp_config": asdict(mlp_config),
+        "layers_at_once": layers_at_once,
         "surrogates": {},
     }
     for model_type in model_types:
         start = time.perf_counter()
-        surrogate, history = fit_surrogate(X, y, model_type, mlp_config=mlp_config, **layer_map(manifest))
+        if layers_at_once is None:
+            surrogate, history = fit_surrogate(X, y, model_type, mlp_config=mlp_config, **layer_map(manifest))
+            fit_seconds = time.perf_counter() - start
+        else:
+            surrogate, history = grouped[model_type], histories[model_type]
+            fit_seconds = extras[model_type]["fit_seconds"]
         surrogate.save_pretrained(out_dir / model_type)
-        entry = {"fit_seconds": round(time.perf_counter() - start, 1), "path": str(out_dir / model_type)}
+        entry = {"fit_seconds": round(fit_seconds, 1), "path": str(out_dir / model_type)}
         if model_type == "mlp":
             entry["final_train_loss"] = history["final_train_loss"]  # each layer's MSE after training
             entry["final_valid_loss"] = history["final_valid_loss"]
@@ -1023,7 +1146,11 @@ def fit_and_save(
             entry.update(
                 evaluate_surrogate(surrogate, test[0], test[1], prompt_index=test[2]["prompt_index"], kinds=test_kinds)
             )
-            entry["train_r2"] = evaluate_surrogate(surrogate, X, y)["mean_r2"]
+            entry["train_r2"] = (
+                evaluate_surrogate(surrogate, X, y)["mean_r2"]
+                if layers_at_once is None
+                else extras[model_type]["train_r2"]
+            )
             logger.info("%s: held-out mean R^2 %.3f (train %.3f)", model_type, entry["mean_r2"], entry["train_r2"])
         report["surrogates"][model_type] = entry
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -30,15 +30,18 @@ def make_tiny_tokenizer():
     return tokenizer
 
 
-def make_tiny_llama(attn_implementation: str = "sdpa", seed: int = 0, vocab_size: int = 300):
-    """Tiny random Llama (hidden 64, 2 layers, 4 query heads, 2 KV heads); two builds with a seed are identical."""
+def make_tiny_llama(
+    attn_implementation: str = "sdpa", seed: int = 0, vocab_size: int = 300, num_hidden_layers: int = 2
+):
+    """Tiny random Llama (hidden 64, 2 layers by default, 4 query heads, 2 KV heads); two builds with a seed are
+    identical."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,

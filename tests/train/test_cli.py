@@ -54,3 +54,15 @@ def test_all_then_fit_again(tmp_path, tiny_tokenizer, capsys):
     assert main([*args, "--types", "linear", "--extra-train", str(tmp_path / "more" / "train")]) == 0
     report = json.loads((tmp_path / "fit2" / "r2.json").read_text())
     assert report["n_train_pairs"] == 96 and list(report["surrogates"]) == ["linear"]
+
+    # One layer at a time (collections larger than memory): the same fit, recorded in the report.
+    one = ["fit", "--collection", str(tmp_path / "run" / "collect"), "--out", str(tmp_path / "fit3"), *fit]
+    assert main([*one, "--types", "linear", "--layers-at-once", "1"]) == 0
+    grouped = json.loads((tmp_path / "fit3" / "r2.json").read_text())
+    whole = json.loads((tmp_path / "run" / "surrogates" / "r2.json").read_text())
+    assert grouped["layers_at_once"] == 1
+    assert grouped["surrogates"]["linear"]["mean_r2"] == pytest.approx(whole["surrogates"]["linear"]["mean_r2"])
+    with pytest.raises(SystemExit, match="--layers-at-once must be a positive number of layers, got 0"):
+        main([*one, "--layers-at-once", "0"])
+    with pytest.raises(SystemExit, match="--layers-at-once applies to one fit; --leave-kinds-out"):
+        main([*one, "--layers-at-once", "2", "--leave-kinds-out"])

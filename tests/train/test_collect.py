@@ -162,6 +162,13 @@ def test_load_collections_reads_several_into_one_copy(tiny_llama, tiny_tokenizer
     torch.testing.assert_close(y, torch.cat([a[1], b[1]]), rtol=0, atol=0)
     assert manifests[1]["prompt_index"].tolist() == b[2]["prompt_index"].tolist()
     assert [m["n_prompts"] for m in manifests] == [4, 3]
+    # Some layers only: read from the files as a slice, the same values.
+    X1, y1, _ = load_collections([tmp_path / "a", tmp_path / "b"], layers=slice(1, 2))
+    assert X1.shape == (X.shape[0], 1, X.shape[2]) and y1.shape == (y.shape[0], 1, y.shape[2])
+    torch.testing.assert_close(X1, X[:, 1:2], rtol=0, atol=0)
+    torch.testing.assert_close(y1, y[:, 1:2], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="layers must be a slice of consecutive collected layers"):
+        load_collections([tmp_path / "a"], layers=[0, 1])
 
     # A shard whose rows disagree with its manifest, another model's collection, or a missing one is refused.
     manifest_file = tmp_path / "b" / "manifest.json"

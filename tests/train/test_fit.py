@@ -144,3 +144,46 @@ def test_fitting_layers_together_is_fitting_each_alone():
                 assert history["final_valid_loss"][layer] is None and alone_history["valid_loss"] == []
     with pytest.raises(ValueError, match="matching N and L"):
         fit_layers_mlp(X, y[:, :2])
+
+
+def test_fitting_a_few_layers_at_a_time_is_one_fit(tmp_path, tiny_tokenizer, monkeypatch):
+    # layers_at_once reads and fits groups of layers, for collections larger than memory: the same surrogates,
+    # histories and R^2 as one fit of all layers, with never more than the group's layers read at once.
+    import train.collect
+
+    model = make_tiny_llama(num_hidden_layers=5)
+    texts = ["one two three four five", "six seven eight nine", "ten eleven twelve", "thirteen fourteen"]
+    prompts = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    collect(model, tiny_tokenizer, prompts[:3], tmp_path / "train", n_tokens=8, shard_size=2)
+    collect(model, tiny_tokenizer, prompts[3:], tmp_path / "test", n_tokens=8, shard_size=2)
+    config = MLPConfig(hidden_dim=8, batch_size=16, max_epochs=3, valid_fraction=0.2)
+    whole = fit_and_save(tmp_path / "train", tmp_path / "whole", test_dir=tmp_path / "test", mlp_config=config)
+
+    read = []
+    original = train.collect.load_collections
+
+    def spy(out_dirs, target="y", layers=None):
+        X, y, manifests = original(out_dirs, target, layers)
+        read.append((layers, X.shape[1]))
+        return X, y, manifests
+
+    monkeypatch.setattr(train.collect, "load_collections", spy)
+    grouped = fit_and_save(
+        tmp_path / "train", tmp_path / "grouped", test_dir=tmp_path / "test", mlp_config=config, layers_at_once=2
+    )
+    assert [n for layers, n in read if layers is not None] == [2, 2, 1]  # the training collection, by groups
+    assert grouped["n_train_pairs"] == whole["n_train_pairs"] == 8 * 3 and grouped["layers_at_once"] == 2
+    for model_type in ("linear", "mlp"):
+        a = KVzapSurrogate.from_pretrained(tmp_path / "whole" / model_type).state_dict()
+        b = KVzapSurrogate.from_pretrained(tmp_path / "grouped" / model_type).state_dict()
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+        w, g = whole["surrogates"][model_type], grouped["surrogates"][model_type]
+        for key in ("mean_r2", "train_r2"):
+            assert g[key] == pytest.approx(w[key], abs=1e-4)
+        assert g["per_layer"] == pytest.approx(w["per_layer"], abs=1e-4)
+    w, g = whole["surrogates"]["mlp"], grouped["surrogates"]["mlp"]
+    assert g["final_train_loss"] == pytest.approx(w["final_train_loss"], rel=1e-4)
+    assert g["final_valid_loss"] == pytest.approx(w["final_valid_loss"], rel=1e-4)
+    with pytest.raises(ValueError, match="group_size must be a positive number of layers"):
+        fit_and_save(tmp_path / "train", tmp_path / "bad", mlp_config=config, layers_at_once=0)
