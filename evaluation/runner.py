@@ -850,10 +850,13 @@ def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None)
             samples_by_length[run.length] = _load_samples(config, run.length, tokenizer)
         # Written first, so that an unfinished run's directory says what it holds.
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(
+        # Through a file of this process's own: shards of one run (--shard) start side by side.
+        record = directory / f"config.json.{os.getpid()}.tmp"
+        record.write_text(
             json.dumps({**_run_record(config, run, model_name), "sweep": dataclasses.asdict(config)}, indent=2),
             encoding="utf-8",
         )
+        record.replace(directory / "config.json")
         rows = _evaluate_run(pipe, config, run, samples_by_length[run.length], model, tokenizer, directory)
         if rows is None:  # this shard's samples are answered, other shards' are not yet
             results.append({"run_dir": str(directory), **dataclasses.asdict(run), "metrics": None, "skipped": False})
