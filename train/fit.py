@@ -535,10 +535,11 @@ def _modules_r2(modules: Sequence[nn.Module], X: torch.Tensor, y: torch.Tensor, 
 def fit_by_layer_groups(
     train_dirs: Sequence[str | os.PathLike],
     model_types: Sequence[str],
-    group_size: int,
+    group_size: int | None = None,
     mlp_config: MLPConfig | None = None,
 ) -> tuple[dict, dict, dict]:
-    """Fit surrogates on collections ``group_size`` collected layers at a time, each group read from disk alone.
+    """Fit surrogates on collections ``group_size`` collected layers at a time (None: all at once), each group read
+    from disk alone.
 
     A surrogate has one module per layer, trained on that layer's pairs only, so the layers need not be in memory
     together: each group of layers is read (:func:`train.collect.load_collections` with ``layers``), fitted for
@@ -559,7 +560,7 @@ def fit_by_layer_groups(
     """
     from .collect import load_collections
 
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"group_size must be a positive number of layers, got {group_size!r}.")
     mlp_config = mlp_config or MLPConfig()
     surrogates: dict = {}
@@ -567,7 +568,8 @@ def fit_by_layer_groups(
     extras: dict = {t: {"fit_seconds": 0.0, "r2": []} for t in model_types}
     start, n_layers, manifests, n_pairs = 0, None, None, 0
     while n_layers is None or start < n_layers:
-        X, y, group_manifests = load_collections(train_dirs, layers=slice(start, start + group_size))
+        stop = None if group_size is None else start + group_size
+        X, y, group_manifests = load_collections(train_dirs, layers=slice(start, stop))  # each shard copied once
         if n_layers is None:  # the first group tells the shapes and the layers collected
             manifests, n_pairs = group_manifests, int(X.shape[0])
             mapping = layer_map(manifests[0])
@@ -576,7 +578,15 @@ def fit_by_layer_groups(
                 surrogates[model_type] = _empty_surrogate(
                     model_type, X.shape[2], y.shape[2], n_layers, mlp_config, **mapping
                 )
-        logger.info("Layers %d-%d of %d: X %s", start, start + X.shape[1] - 1, n_layers, tuple(X.shape))
+        logger.info(
+            "Layers %d-%d of %d: X %s, y %s from %s",
+            start,
+            start + X.shape[1] - 1,
+            n_layers,
+            tuple(X.shape),
+            tuple(y.shape),
+            ", ".join(map(str, train_dirs)),
+        )
         for model_type in model_types:
             began = time.perf_counter()
             fitted, history = _fit_modules(X, y, model_type, mlp_config)
@@ -1094,7 +1104,7 @@ def fit_and_save(
     dict
         The report written to ``r2.json`` (settings, sizes, R^2 per surrogate).
     """
-    from .collect import load_collection, load_collections
+    from .collect import load_collection
 
     for model_type in model_types:
         if model_type not in MODEL_TYPES:
@@ -1104,14 +1114,9 @@ def fit_and_save(
     train_dirs = [train_dir] if isinstance(train_dir, (str, os.PathLike)) else list(train_dir)
     if not train_dirs:
         raise ValueError("train_dir must name at least one collection.")
-    if layers_at_once is None:
-        X, y, manifests = load_collections(train_dirs)  # (N, L, D), (N, L, H): each shard copied once
-        n_pairs = int(X.shape[0])
-        shapes = f"X {tuple(X.shape)}, y {tuple(y.shape)}"
-        logger.info("Training pairs: %s from %s", shapes, ", ".join(map(str, train_dirs)))
-    else:  # fitted here, a group of layers at a time; never all in memory
-        grouped, histories, extras = fit_by_layer_groups(train_dirs, model_types, layers_at_once, mlp_config)
-        manifests, n_pairs = extras["manifests"], extras["n_pairs"]
+    # One group of every layer by default; with layers_at_once, never all layers in memory.
+    fitted, histories, extras = fit_by_layer_groups(train_dirs, model_types, layers_at_once, mlp_config)
+    manifests, n_pairs = extras["manifests"], extras["n_pairs"]
     manifest = {**manifests[0], "n_prompts": sum(m["n_prompts"] for m in manifests)}
     test = load_collection(test_dir) if test_dir is not None else None
     test_kinds = None
@@ -1130,15 +1135,9 @@ def fit_and_save(
         "surrogates": {},
     }
     for model_type in model_types:
-        start = time.perf_counter()
-        if layers_at_once is None:
-            surrogate, history = fit_surrogate(X, y, model_type, mlp_config=mlp_config, **layer_map(manifest))
-            fit_seconds = time.perf_counter() - start
-        else:
-            surrogate, history = grouped[model_type], histories[model_type]
-            fit_seconds = extras[model_type]["fit_seconds"]
+        surrogate, history = fitted[model_type], histories[model_type]
         surrogate.save_pretrained(out_dir / model_type)
-        entry = {"fit_seconds": round(fit_seconds, 1), "path": str(out_dir / model_type)}
+        entry = {"fit_seconds": round(extras[model_type]["fit_seconds"], 1), "path": str(out_dir / model_type)}
         if model_type == "mlp":
             entry["final_train_loss"] = history["final_train_loss"]  # each layer's MSE after training
             entry["final_valid_loss"] = history["final_valid_loss"]
@@ -1146,11 +1145,7 @@ def fit_and_save(
             entry.update(
                 evaluate_surrogate(surrogate, test[0], test[1], prompt_index=test[2]["prompt_index"], kinds=test_kinds)
             )
-            entry["train_r2"] = (
-                evaluate_surrogate(surrogate, X, y)["mean_r2"]
-                if layers_at_once is None
-                else extras[model_type]["train_r2"]
-            )
+            entry["train_r2"] = extras[model_type]["train_r2"]
             logger.info("%s: held-out mean R^2 %.3f (train %.3f)", model_type, entry["mean_r2"], entry["train_r2"])
         report["surrogates"][model_type] = entry
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ import torch
 
 from kvzap.surrogates import KVzapSurrogate
 from tests.train import make_tiny_llama
-from train.collect import collect
+from train.collect import collect, load_collection
 from train.fit import (
     MLPConfig,
     evaluate_surrogate,
@@ -158,6 +158,13 @@ def test_fitting_a_few_layers_at_a_time_is_one_fit(tmp_path, tiny_tokenizer, mon
     collect(model, tiny_tokenizer, prompts[3:], tmp_path / "test", n_tokens=8, shard_size=2)
     config = MLPConfig(hidden_dim=8, batch_size=16, max_epochs=3, valid_fraction=0.2)
     whole = fit_and_save(tmp_path / "train", tmp_path / "whole", test_dir=tmp_path / "test", mlp_config=config)
+    # The default (one group of every layer) is fit_surrogate on the loaded collection.
+    X, y, _ = load_collection(tmp_path / "train")
+    for model_type in ("linear", "mlp"):
+        reference = fit_surrogate(X, y, model_type, mlp_config=config)[0].state_dict()
+        saved = KVzapSurrogate.from_pretrained(tmp_path / "whole" / model_type).state_dict()
+        for name in reference:
+            torch.testing.assert_close(saved[name], reference[name], rtol=1e-4, atol=1e-5)
 
     read = []
     original = train.collect.load_collections
