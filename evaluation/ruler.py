@@ -52,6 +52,8 @@ __all__ = [
     "generate_samples",
     "generate_task",
     "load_sentences",
+    "needle_values",
+    "NEEDLE_PATTERN",
     "default_text_source",
     "to_dataset",
 ]
@@ -208,6 +210,15 @@ _NIAH_INTRO = (
 
 def _needle(key: str, value: str) -> str:
     return f"Remember this: the hidden number for {key} is {value}."
+
+
+#: Matches every needle :func:`_needle` writes; group 1 is the key, group 2 the number.
+NEEDLE_PATTERN = re.compile(r"Remember this: the hidden number for (.+?) is (\d+)\.")
+
+
+def needle_values(context: str) -> list[str]:
+    """The numbers of every needle hidden in a ``niah_*`` sample's context (asked and distractors), in order."""
+    return [match.group(2) for match in NEEDLE_PATTERN.finditer(context)]
 
 
 def _niah(variant: str, text: bool):

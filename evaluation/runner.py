@@ -915,7 +915,8 @@ def build_parser(prog: str = "python -m evaluation") -> argparse.ArgumentParser:
         description=textwrap.fill(
             "Accuracy vs compression of kvzap presses on long-context benchmarks (the offline RULER-style suite, "
             "RULER, LongBench, AIME 2025). Subcommands: `plot` (or `summarize`) --results-dir DIR; `compare` RUN_DIR_A "
-            "RUN_DIR_B (the paired score difference of two runs); anything else runs a sweep.",
+            "RUN_DIR_B (the paired score difference of two runs); `errors` RUN_DIR... (how the needle answers of runs "
+            "of the offline suite went wrong); anything else runs a sweep.",
             100,
         ),
         epilog=_datasets_help(),
@@ -1038,8 +1039,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m evaluation") -> i
     """Entry point of ``python -m evaluation`` and ``kvzap evaluate``; returns the exit status.
 
     ``main(["plot", "--results-dir", DIR])`` (or ``summarize``) writes the plot and the table;
-    ``main(["compare", RUN_A, RUN_B])`` prints the paired score difference of two runs; any other arguments run a
-    sweep (see ``--help``).
+    ``main(["compare", RUN_A, RUN_B])`` prints the paired score difference of two runs; ``main(["errors", RUN, ...])``
+    the outcomes of their needle answers (:mod:`evaluation.errors`); any other arguments run a sweep (see ``--help``).
     """
     import sys
 
@@ -1052,6 +1053,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m evaluation") -> i
         from .compare import main as compare_main
 
         return compare_main(argv[1:], prog=f"{prog} compare")
+    if argv and argv[0] == "errors":
+        from .errors import main as errors_main
+
+        return errors_main(argv[1:], prog=f"{prog} errors")
     if argv and argv[0] == "run":
         argv = argv[1:]
     try:
