@@ -19,25 +19,35 @@ from typing import Any
 from .intervals import paired_difference
 from .runner import PARTIAL, _read_partial
 
-__all__ = ["read_run", "compare_runs", "format_comparison", "main"]
+__all__ = ["read_predictions", "read_run", "compare_runs", "format_comparison", "main"]
 
 
-def read_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], bool]:
-    """The sample rows of a run directory (``task``, ``id``, ``score``, ``compression_ratio``) and whether the run
-    is finished; raises FileNotFoundError when the directory holds neither predictions file."""
+def read_predictions(run_dir: str | Path) -> tuple[list[dict[str, Any]], bool]:
+    """The rows a run directory's predictions hold (every column; ``answers`` a list of str) and whether the run
+    is finished: its ``predictions.csv``, else its ``predictions.partial.jsonl``; raises FileNotFoundError when the
+    directory holds neither."""
     run_dir = Path(run_dir)
     finished = run_dir / "predictions.csv"
     if finished.is_file():
         with finished.open(newline="", encoding="utf-8") as handle:
             rows = list(csv.DictReader(handle))
-        return [_row(r) for r in rows], True
+        for row in rows:
+            row["answers"] = json.loads(row["answers"])
+        return rows, True
     partial = run_dir / PARTIAL
     if partial.is_file():
-        return [_row(r) for r in _read_partial(partial).values()], False
+        return list(_read_partial(partial).values()), False
     raise FileNotFoundError(
         f"{run_dir} holds no predictions.csv nor predictions.partial.jsonl: give a run directory of "
         "`python -m evaluation` (one per press, value and length, under <output-dir>/<model>/)."
     )
+
+
+def read_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], bool]:
+    """The sample rows of a run directory (``task``, ``id``, ``score``, ``compression_ratio``) and whether the run
+    is finished (:func:`read_predictions`)."""
+    rows, finished = read_predictions(run_dir)
+    return [_row(r) for r in rows], finished
 
 
 def _row(row: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,6 @@ tokenizer, and each must have the answers the run recorded. Unfinished runs are 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import re
 from collections import Counter
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import ruler
-from .runner import PARTIAL, _read_partial
+from .compare import read_predictions
 
 __all__ = ["OUTCOMES", "classify_answer", "needle_errors", "format_errors", "main"]
 
@@ -70,19 +69,6 @@ def classify_answer(prediction: str, expected: str, answers: Sequence[str], need
     return "lost"
 
 
-def _read_rows(run_dir: Path) -> list[dict[str, Any]]:
-    finished = run_dir / "predictions.csv"
-    if finished.is_file():
-        with finished.open(newline="", encoding="utf-8") as handle:
-            rows = list(csv.DictReader(handle))
-        for row in rows:
-            row["answers"] = json.loads(row["answers"])
-        return rows
-    if (run_dir / PARTIAL).is_file():
-        return list(_read_partial(run_dir / PARTIAL).values())
-    raise FileNotFoundError(f"{run_dir} holds no predictions.csv nor {PARTIAL}: give a run directory.")
-
-
 def run_config(run_dir: str | Path) -> dict[str, Any]:
     """A run directory's ``config.json``, checked to be a run of the offline RULER-style suite."""
     path = Path(run_dir) / "config.json"
@@ -118,7 +104,8 @@ def needle_errors(run_dir: str | Path, tokenizer: Any) -> dict[str, Any]:
     """
     run_dir = Path(run_dir)
     config = run_config(run_dir)
-    rows = [r for r in _read_rows(run_dir) if r["task"].startswith("niah")]
+    rows, finished = read_predictions(run_dir)
+    rows = [r for r in rows if r["task"].startswith("niah")]
     if not rows:
         raise ValueError(f"{run_dir} holds no answered niah_* sample.")
     text = (config.get("sweep") or {}).get("haystack_file")
@@ -152,7 +139,7 @@ def needle_errors(run_dir: str | Path, tokenizer: Any) -> dict[str, Any]:
         "press": config.get("press"),
         "value": config.get("value"),
         "compression": sum(float(r["compression_ratio"]) for r in rows) / len(rows),
-        "finished": (run_dir / "predictions.csv").is_file(),
+        "finished": finished,
         "tasks": tasks,
     }
 

@@ -1,13 +1,12 @@
 """``python -m evaluation errors``: the outcome of every asked needle number of a run."""
 
-import csv
 import json
 
 import pytest
 
 from evaluation import ruler
 from evaluation.errors import classify_answer, format_errors, needle_errors
-from evaluation.runner import PARTIAL
+from evaluation.runner import PARTIAL, _write_predictions
 from evaluation.runner import main as evaluation_main
 from tests.conftest import char_tokenizer
 
@@ -42,13 +41,7 @@ def _write_run(path, rows, *, seed=SEED, dataset="ruler_offline", finished=True)
     }
     (path / "config.json").write_text(json.dumps(config))
     if finished:
-        with (path / "predictions.csv").open("w", newline="") as handle:
-            writer = csv.DictWriter(
-                handle, fieldnames=["task", "id", "prediction", "answers", "score", "compression_ratio"]
-            )
-            writer.writeheader()
-            for row in rows:
-                writer.writerow({**row, "answers": json.dumps(row["answers"])})
+        _write_predictions(path / "predictions.csv", rows)
     else:
         (path / PARTIAL).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -81,7 +74,7 @@ def _rows(samples):
     prediction = f" {a[0]}, {a[1]}, {_garble(a[2], ruler.needle_values(sample['context']))} and 12."
     rows.append({"task": "niah_multiquery", "id": sample["id"], "prediction": prediction, "answers": a})
     for row in rows:
-        row.update(score=0.0, compression_ratio=0.5)
+        row.update(score=0.0, compression_ratio=0.5, n_tokens=LENGTH)
     return rows
 
 
