@@ -5,8 +5,8 @@ sliding-window layers are left alone). This script says what that means for the 
 for each sample, a prefill and one decoded token without a press and under ``DMSThresholdPress(KVzapScorer)`` at
 every threshold, then the bytes of every tensor storage reachable from each cache (``benchmarks.outside``, which
 asks kvzap nothing). The reference is the no-press cache after one decoded token: before it, transformers'
-sliding layers still hold a view of the whole prompt (BENCHMARKS.md, Gemma 3 section). Prompts are
-``context + "\\n" + question`` tokenized as the tokenizer does by default (BOS included)::
+sliding layers still hold a view of the whole prompt (BENCHMARKS.md, Gemma 3 section). The prefill is each
+sample's context turn as the pipeline builds it (``kvzap.prompts.context_ids``: BOS and chat-template rule)::
 
     python -m benchmarks.suite_memory --model gemma3-270m --task niah_single --length 4096 \
         --thresholds -5.1 -3.6 -3.0 -2.7 -1.518
@@ -28,6 +28,7 @@ from benchmarks.outside import model_storage_keys, reachable_bytes
 from evaluation.ruler import generate_task
 from kvzap import DMSThresholdPress, KVzapScorer
 from kvzap.models import load_model
+from kvzap.prompts import context_ids
 
 
 @torch.no_grad()
@@ -54,7 +55,7 @@ def main(argv=None) -> None:
     model, tokenizer = load_model(args.model)
     weights = model_storage_keys(model)
     samples = generate_task(args.task, tokenizer, args.length, args.n_samples)
-    prompts = [tokenizer(s["context"] + "\n" + s["question"], return_tensors="pt").input_ids for s in samples]
+    prompts = [torch.tensor([context_ids(tokenizer, s["context"])[0]]) for s in samples]
     reference = [cache_after_one_token(model, ids, weights) for ids in prompts]
     print(
         f"{args.model}, {args.task} at {args.length} tokens ({', '.join(str(p.shape[1]) for p in prompts)} "
