@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from kvzap import DMSThresholdPress
+from kvzap._compat import cache_kwarg_name
 from kvzap.presses.baseline_scorers import KeyNormScorer, RandomScorer
 from kvzap.presses.topk import TopKPress
 from tests.conftest import FAMILIES, random_ids, tiny_model
@@ -198,3 +199,132 @@ def test_a_ragged_batch_holds_its_kept_share_of_its_rows_own_lengths():
     assert held <= (kept + SLACK) * full, (held / full, kept)
     # The padded batch would hold (width x rows) columns: the bound above is well below that.
     assert full < 0.7 * full_cache_bytes(model.config, ids.shape[1] * len(rows))
+
+
+# 4-D masks. transformers builds a 4-D mask (batch, 1, new tokens, cached + new tokens) from the 2-D mask of a
+# left-padded batch, and takes one passed directly as it is. The press honours a 4-D mask with exactly that pattern
+# (bool, or additive float) like its 2-D mask, and refuses any other pattern before anything changes.
+def causal_4d(
+    mask_2d: torch.Tensor, new: int, dtype: torch.dtype = torch.bool, unmask_padding: bool = False
+) -> torch.Tensor:
+    """The causal 4-D mask of the last ``new`` tokens of a left-padded batch whose 2-D mask is ``mask_2d``: the
+    query at position p of row b may attend to the keys j with pad_b <= j <= p. A padding query attends to
+    nothing, or with ``unmask_padding`` to everything (as legacy sdpa masks did)."""
+    total = mask_2d.shape[1]
+    pads = (mask_2d == 0).sum(-1)
+    keys = torch.arange(total)
+    queries = torch.arange(total - new, total)
+    allowed = (keys[None, None, :] >= pads[:, None, None]) & (keys[None, None, :] <= queries[None, :, None])
+    if unmask_padding:
+        allowed |= (queries[None, :] < pads[:, None])[:, :, None]
+    if dtype == torch.bool:
+        return allowed[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+NON_SLIDING = sorted(f for f in FAMILIES if f not in ("mistral", "gemma3_text"))
+
+
+def _run_steps(model, press, ids, mask_2d, tokens, four_d: str | None):
+    """Prefill ``ids`` then feed ``tokens`` (B, steps) one column at a time, each forward given the 2-D mask so far
+    (``four_d`` None) or the equivalent 4-D mask of that kind; last-position logits of every forward, cache,
+    sample_compression_ratios."""
+    cache = DynamicCache(config=model.config)
+    logits = []
+    with press(model):
+        for step in range(tokens.shape[1] + 1):
+            new = ids if step == 0 else tokens[:, step - 1 : step]
+            if step > 0:
+                mask_2d = torch.cat([mask_2d, torch.ones_like(mask_2d[:, :1])], dim=1)
+            if four_d is None:
+                mask = mask_2d
+            else:
+                dtype = torch.float32 if four_d == "additive" else torch.bool
+                mask = causal_4d(mask_2d, new.shape[1], dtype, unmask_padding=four_d == "bool-unmasked-padding")
+            out = model(new, attention_mask=mask, use_cache=True, **{cache_kwarg_name(model): cache})
+            logits.append(out.logits[:, -1])
+        ratios = press.sample_compression_ratios
+    return torch.stack(logits, dim=1), cache, ratios
+
+
+@pytest.mark.parametrize("four_d", ["bool", "additive", "bool-unmasked-padding"])
+@pytest.mark.parametrize("storage", ["compact", "masked"])
+@pytest.mark.parametrize("family", NON_SLIDING)
+def test_a_4d_causal_mask_of_a_padded_batch_acts_as_its_2d_mask(family, storage, four_d):
+    model = tiny_model(family)
+    rows = [random_ids(1, n, seed=i)[0] for i, n in enumerate(LENGTHS)]
+    ids, mask = left_padded(rows)
+    tokens = random_ids(len(rows), 5, seed=9)
+    press = DMSThresholdPress(
+        KeyNormScorer(), threshold=THRESHOLD, sliding_window_size=WINDOW, decoding=True, storage=storage
+    )
+    ref_logits, ref_cache, ref_ratios = _run_steps(model, press, ids, mask, tokens, None)
+    logits, cache, ratios = _run_steps(model, press, ids, mask, tokens, four_d)
+    assert float(ref_ratios.min()) > 0.0, "the test needs evictions in every row"
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ratios, ref_ratios, atol=1e-6, rtol=0)
+    for i, row in enumerate(rows):
+        pad = ids.shape[1] - len(row)
+        same_evictions(evicted_sets(cache, i, pad), evicted_sets(ref_cache, i, pad))
+
+
+def _custom_4d(kind: str, mask_2d: torch.Tensor) -> torch.Tensor:
+    """4-D masks that are not the causal mask of a left-padded batch (or not of this forward's shape)."""
+    causal = causal_4d(mask_2d, mask_2d.shape[1])
+    n = mask_2d.shape[1]
+    if kind == "packed":  # two documents packed in each row: the second may not see the first
+        packed = causal.clone()
+        packed[:, :, n // 2 :, : n // 2] = False
+        return packed
+    if kind == "prefix_lm":  # the first tokens see each other both ways
+        prefix = causal.clone()
+        prefix[:, :, : n // 2, : n // 2] |= causal[:, :, n // 2 : n // 2 + 1, : n // 2].expand(-1, -1, n // 2, -1)
+        return prefix
+    if kind == "window":  # a sliding window drawn into the mask
+        band = torch.ones(n, n, dtype=torch.bool).triu(-4)
+        return causal & band
+    if kind == "heads":  # one mask per head
+        return causal.expand(-1, 2, -1, -1)
+    if kind == "wider":  # more keys than the forward has
+        return torch.cat([torch.zeros_like(causal[..., :1]), causal], dim=-1)
+    if kind == "batch":  # fewer rows than the input
+        return causal[:-1]
+    if kind == "int":
+        return causal.long()
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "match"),
+    [
+        ("packed", ValueError, "not the causal mask of a left-padded batch"),
+        ("prefix_lm", ValueError, "not the causal mask of a left-padded batch"),
+        ("window", ValueError, "not the causal mask of a left-padded batch"),
+        ("heads", ValueError, r"must have shape \(batch, 1, new tokens"),
+        ("wider", ValueError, r"must have shape \(batch, 1, new tokens"),
+        ("batch", ValueError, r"must have shape \(batch, 1, new tokens"),
+        ("int", TypeError, "must be bool"),
+    ],
+)
+def test_other_4d_masks_are_refused_before_any_change(llama, kind, error, match):
+    from tests.adversarial._probe import refused
+
+    rows = [random_ids(1, n, seed=i)[0] for i, n in enumerate(LENGTHS)]
+    ids, mask = left_padded(rows)
+    cache = DynamicCache(config=llama.config)
+    press = DMSThresholdPress(KeyNormScorer(), threshold=THRESHOLD, sliding_window_size=WINDOW)
+    with refused(llama, error, match, cache=cache), press(llama):
+        llama(ids, attention_mask=_custom_4d(kind, mask), use_cache=True, **{cache_kwarg_name(llama): cache})
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_a_4d_mask_is_refused_on_models_with_sliding_window_layers(family):
+    from tests.adversarial._probe import refused
+
+    model = tiny_model(family)
+    rows = [random_ids(1, n, seed=i)[0] for i, n in enumerate(LENGTHS)]
+    ids, mask = left_padded(rows)
+    cache = DynamicCache(config=model.config)
+    press = DMSThresholdPress(KeyNormScorer(), threshold=THRESHOLD, sliding_window_size=WINDOW)
+    with refused(model, ValueError, "sliding window", cache=cache), press(model):
+        model(ids, attention_mask=causal_4d(mask, ids.shape[1]), use_cache=True, **{cache_kwarg_name(model): cache})

@@ -472,10 +472,18 @@ class BasePress(ABC):
         cache = _compat.cache_from_kwargs(kwargs)
         if cache is not None:  # before the mask: transformers 5.2 gives a static cache a 4-D mask
             _check_cache(cache, keep_sliding=not self.prune_sliding_layers)
-        starts = cache is None or cache.get_seq_length() == 0
+        past = 0 if cache is None else cache.get_seq_length()
+        starts = past == 0
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
         # Only a sequence's first forward says where its padding is (later masks of `generate` append ones), so
         # decoding steps read nothing from the mask: no host sync per step.
-        pads = _left_padding(kwargs.get("attention_mask"), read=starts)
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            pads = _left_padding_4d(mask, read=starts, inputs=inputs, past=past, modules=modules)
+        else:
+            pads = _left_padding(mask, read=starts)
         if pads is not None and starts:
             refusing = [type(s).__name__ for s in self.scorers() if not s.supports_padding and self.scores_needed]
             if not self.supports_padding:
@@ -486,9 +494,6 @@ class BasePress(ABC):
                     "run sequences of equal length together, or one at a time."
                 )
         self._local.pads = pads
-        inputs = kwargs.get("input_ids", args[0] if args else None)
-        if inputs is None:
-            inputs = kwargs.get("inputs_embeds")
         if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 0:
             raise ValueError(
                 f"The input holds no token (shape {tuple(inputs.shape)}): pass at least one token per sequence."
@@ -605,10 +610,9 @@ def _left_padding(attention_mask: Any, read: bool = True) -> tuple[torch.Tensor,
         )
     if attention_mask.dim() != 2:
         raise ValueError(
-            f"kvzap presses take a 2-D attention_mask (batch, tokens) of ones or none at all, got a "
-            f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}: custom masks (padding, packed "
-            "sequences) cannot be combined with eviction. Pass the 2-D mask (batch, tokens) of a left-padded "
-            "batch, or none."
+            f"kvzap presses take a 2-D attention_mask (batch, tokens), the 4-D causal mask of a left-padded batch, "
+            f"or none at all, got a {attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}. Pass the "
+            "2-D mask (batch, tokens) of a left-padded batch, or none."
         )
     if not read or not _compat.padded_rows(attention_mask):
         return None
@@ -627,6 +631,73 @@ def _left_padding(attention_mask: Any, read: bool = True) -> tuple[torch.Tensor,
             "shorter than a row's padding. Drop empty sequences; in a chunked prefill, make the first chunk hold "
             "all the padding (the pipeline does)."
         )
+    return pads, pad_max
+
+
+def _left_padding_4d(
+    mask: torch.Tensor, read: bool, inputs: Any, past: int, modules: list[nn.Module]
+) -> tuple[torch.Tensor, int] | None:
+    """The pad counts of a 4-D mask that is the causal mask of a left-padded batch, as :func:`_left_padding`.
+
+    Such a mask ``(B, 1, q, past + q)`` (bool, True = may attend, or additive float: 0 or a large negative value)
+    lets the query of absolute position ``p`` of row ``b`` attend to the keys ``pads[b] <= j <= p``: what
+    transformers builds itself from the 2-D mask of a left-padded batch. kvzap honours exactly that pattern (a
+    padding query may attend to nothing or to everything: its output is never used), and refuses any other one (packed
+    sequences, prefix-LM, a sliding window drawn into the mask) before anything changes, since the pairs it
+    evicts are hidden by its own masks, and a model with sliding-window layers, to which transformers would hand
+    the same mask as to its full-attention layers. Only a sequence's first forward reads the mask's values; later
+    ones check its shape.
+    """
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise TypeError(
+            f"A 4-D attention_mask must be bool (True = may attend) or an additive float mask, got {mask.dtype}. "
+            "Pass the 2-D mask (batch, tokens) of a left-padded batch instead."
+        )
+    sliding = [_compat.layer_index(m) for m in modules if is_sliding_module(m)]
+    if sliding:
+        raise ValueError(
+            f"A 4-D attention_mask is used as-is by every layer, but layers {sliding} of this model attend through "
+            "a sliding window that such a mask does not draw. Pass the 2-D mask (batch, tokens) of a left-padded "
+            "batch, from which transformers builds each layer's own mask."
+        )
+    known = isinstance(inputs, torch.Tensor) and inputs.dim() >= 2
+    batch, q_len = (int(inputs.shape[0]), int(inputs.shape[1])) if known else (mask.shape[0], mask.shape[2])
+    if mask.shape[0] not in (1, batch) or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (q_len, past + q_len):
+        raise ValueError(
+            f"A 4-D attention_mask must have shape (batch, 1, new tokens, cached + new tokens) = ({batch}, 1, "
+            f"{q_len}, {past + q_len}) for this forward, got {tuple(mask.shape)}. Pass the 2-D mask (batch, "
+            "tokens) of a left-padded batch instead."
+        )
+    rows, keys = q_len, past + q_len
+    if not read:
+        return None
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    allowed = allowed[:, 0]  # (B, q, kv)
+    last = allowed[:, -1]  # (B, kv): the last token of each row is a real one
+    if not bool(last.any(dim=-1).all()):
+        raise ValueError(
+            "A row of the 4-D attention_mask lets its last token attend to nothing: a sequence without tokens. "
+            "Drop empty sequences."
+        )
+    pads = last.to(torch.uint8).argmax(dim=-1)  # (B,) first key the last token may attend to
+    positions = past + torch.arange(rows, device=mask.device)  # (q,) absolute positions of the queries
+    columns = torch.arange(keys, device=mask.device)
+    expected = (columns[None, None, :] >= pads[:, None, None]) & (columns[None, None, :] <= positions[None, :, None])
+    real = positions[None, :] >= pads[:, None]  # (B, q) queries of real tokens
+    # A padding query attends to nothing (transformers' own masks), or to everything (the legacy masks that
+    # unmask fully masked rows for sdpa); anything else is a pattern of its own (e.g. a first packed document).
+    padding_rows_ok = ~allowed.any(dim=-1) | allowed.all(dim=-1)  # (B, q)
+    if not bool((allowed == expected)[real].all()) or not bool(padding_rows_ok[~real].all()):
+        raise ValueError(
+            "This 4-D attention_mask is not the causal mask of a left-padded batch (each token attending to every "
+            "earlier real token and itself): custom patterns (packed sequences, prefix-LM, windows) cannot be "
+            "combined with eviction, since kvzap hides evicted pairs with its own masks. Pass the 2-D mask "
+            "(batch, tokens) of a left-padded batch, or none."
+        )
+    pads = pads.long().expand(batch)  # a mask of batch 1 serves every row
+    pad_max = int(pads.max())
+    if pad_max == 0:
+        return None
     return pads, pad_max
 
 

@@ -1,5 +1,5 @@
-"""Inputs: empty, one token, shorter than the window, batches, padded masks of every shape (left padding served,
-right padding and 4-D masks refused), embeddings."""
+"""Inputs: empty, one token, shorter than the window, batches, padded masks of every shape (left padding and 4-D
+causal masks served, right padding and other 4-D patterns refused), embeddings."""
 
 from __future__ import annotations
 
@@ -63,10 +63,12 @@ def _masks(batch: int, n: int) -> dict:
         "2d_right_padded": padded.flip(-1),
         "4d_bool_causal": causal,
         "4d_float_causal": torch.zeros(batch, 1, n, n).masked_fill(~causal, float("-inf")),
+        "4d_bool_bidirectional": torch.ones(batch, 1, n, n, dtype=torch.bool),
     }
 
 
-_REFUSED = ("2d_right_padded", "4d_bool_causal", "4d_float_causal")
+_REFUSED = ("2d_right_padded", "4d_bool_bidirectional")
+_CAUSAL_4D = ("4d_bool_causal", "4d_float_causal")
 _LEFT_PADDED = ("2d_long_padded", "2d_bool_padded", "2d_float_padded")
 
 
@@ -77,7 +79,7 @@ def test_right_padded_and_custom_masks_are_refused_before_any_change(model, kind
     mask = _masks(2, 8)[kind]
     cache = DynamicCache(config=model.config)
     inputs = {"inputs_embeds": model.get_input_embeddings()(ids)} if embeds else {"input_ids": ids}
-    match = "left-padded batches only" if kind.startswith("2d") else "2-D attention_mask"
+    match = "left-padded batches only" if kind.startswith("2d") else "not the causal mask of a left-padded batch"
     with refused(model, ValueError, match, cache=cache), pruning_press()(model):
         model(**inputs, attention_mask=mask, **{cache_kwarg_name(model): cache})
 
@@ -94,6 +96,19 @@ def test_left_padded_masks_of_every_dtype_give_each_row_alone(model, kind, embed
         alone_inputs = {name: value[row : row + 1, pad:] for name, value in inputs.items()}
         alone, _ = logits_under(model, pruning_press(storage), **alone_inputs)
         torch.testing.assert_close(batch[row, pad:], alone[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [2, 1], ids=["per-row", "broadcast"])
+@pytest.mark.parametrize("kind", _CAUSAL_4D)
+@pytest.mark.parametrize("storage", STORAGES)
+def test_a_4d_causal_mask_gives_the_reference(model, kind, storage, rows):
+    ids = random_ids(2, 20, seed=6)
+    mask = _masks(2, 20)[kind][:rows]
+    reference, ref_cache = logits_under(model, pruning_press(storage), input_ids=ids)
+    logits, cache = logits_under(model, pruning_press(storage), input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+    for ours, theirs in zip(evicted_sets(cache), evicted_sets(ref_cache), strict=True):
+        assert torch.equal(ours, theirs)
 
 
 def test_generate_with_a_right_padded_batch_is_refused(model):
