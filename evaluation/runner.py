@@ -466,6 +466,20 @@ def _run_record(config: EvalConfig, run: RunSpec, model_name: str) -> dict[str, 
     return record
 
 
+def _config_record(config: EvalConfig, run: RunSpec, model_name: str) -> dict[str, Any]:
+    """What a run's ``config.json`` holds: the run's settings, ``shards`` and the sweep that ran it.
+
+    The record describes the run, not the process that wrote it: the processes of a split run (``--shard K/N``)
+    all write the same one, with the sweep's ``shard`` left out (null) and ``shards`` saying the samples were
+    answered in N interleaved shares (1: by one process), so the file does not depend on which process wrote last.
+    """
+    return {
+        **_run_record(config, run, model_name),
+        "shards": config.shard_parts[1],
+        "sweep": {**dataclasses.asdict(config), "shard": None},
+    }
+
+
 def run_dir(config: EvalConfig, run: RunSpec, model_name: str) -> Path:
     """Directory of one run: ``output_dir/<model>/<label>__<hash of the other settings>``."""
     record = _run_record(config, run, model_name)
@@ -852,10 +866,7 @@ def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None)
         directory.mkdir(parents=True, exist_ok=True)
         # Through a file of this process's own: shards of one run (--shard) start side by side.
         record = directory / f"config.json.{os.getpid()}.tmp"
-        record.write_text(
-            json.dumps({**_run_record(config, run, model_name), "sweep": dataclasses.asdict(config)}, indent=2),
-            encoding="utf-8",
-        )
+        record.write_text(json.dumps(_config_record(config, run, model_name), indent=2), encoding="utf-8")
         record.replace(directory / "config.json")
         rows = _evaluate_run(pipe, config, run, samples_by_length[run.length], model, tokenizer, directory)
         if rows is None:  # this shard's samples are answered, other shards' are not yet

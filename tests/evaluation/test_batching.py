@@ -213,6 +213,12 @@ def test_shards_split_a_run_and_the_last_one_writes_its_results(tmp_path, surrog
     monkeypatch.setattr(KVPressTextGenerationPipeline, "_forward", record)
     first = _sweep(tmp_path, surrogate, shard="0/3")
     assert [r["metrics"] for r in first] == [None, None] and len(asked) == 2 * 3  # 8 samples: shares of 3, 3, 2
+    # config.json describes the run, not the process: every shard writes the same record.
+    records = {p: p.read_bytes() for p in tmp_path.rglob("config.json")}
+    assert len(records) == 2
+    for text in records.values():
+        record = json.loads(text)
+        assert record["shards"] == 3 and record["sweep"]["shard"] is None
     partials = sorted(tmp_path.rglob("predictions.partial.jsonl"))
     assert [len(p.read_text().splitlines()) for p in partials] == [3, 3]
     # The first share holds samples of both tasks (shares are cut from the interleaved order).
@@ -221,6 +227,7 @@ def test_shards_split_a_run_and_the_last_one_writes_its_results(tmp_path, surrog
     last = _sweep(tmp_path, surrogate, shard="1/3")
     assert len(asked) == 2 * 8  # every sample answered once, by one shard
     assert _outputs(last) == batch_one  # the files of the run made in one process, under the same names
+    assert {p: p.read_bytes() for p in tmp_path.rglob("config.json")} == records  # whichever shard wrote last
     assert not list(tmp_path.rglob("predictions.partial.jsonl")) and not list(tmp_path.rglob("*.tmp"))
     again = _sweep(tmp_path, surrogate, shard="0/3")  # finished runs are skipped by every shard
     assert all(r["skipped"] for r in again) and len(asked) == 2 * 8
@@ -247,3 +254,5 @@ def test_shard_on_the_command_line(tmp_path, surrogate, capsys, monkeypatch):
     assert "kvzap_mlp" in out and "unfinished" not in out
     (metrics,) = tmp_path.rglob("metrics.json")
     assert json.loads(metrics.read_text())["n_predictions"] == 2
+    record = json.loads((metrics.parent / "config.json").read_text())
+    assert record["shards"] == 2 and record["sweep"]["shard"] is None
