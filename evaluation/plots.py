@@ -10,7 +10,7 @@ same numbers, one column per bound). Runs written before intervals were recorded
 ``predictions.csv``. Datasets without a target length (LongBench, AIME25) have ``length`` None. A line is a press and
 the weights it read: a run with other weights than the surrogate bundled now is a series of its own, named
 ``press (surrogate directory)`` or ``press (earlier bundled)`` (:func:`_label_weights`): the same press with two
-surrogates is never drawn as one line nor ranked as one press.
+surrogates is never drawn as one line nor ranked as one press, and runs of the same weights share one line.
 """
 
 from __future__ import annotations
@@ -83,9 +83,23 @@ def _label_weights(results: list[dict[str, Any]]) -> None:
     the default, ``press (earlier bundled)``: the surrogate bundled when it ran. Where one line still holds runs
     of different weights (a surrogate retrained into the same directory; runs written before fingerprints were
     recorded), each run is also marked with its weights' fingerprint (``weights_label``: 8 hex digits, or
-    ``unrecorded``), so that :func:`_series` keeps them apart."""
+    ``unrecorded``), so that :func:`_series` keeps them apart.
+
+    Runs of one press that recorded the same weights share one line whatever they were called: a run that read
+    the default while those weights were bundled joins the line of a run that named them with ``--surrogate``
+    (the first such name in sorted order, where several directories held the same weights), so a surrogate that
+    was bundled and then replaced keeps one line."""
     for r in results:
         r["series"] = _base_series(r)
+    named: dict[tuple[str, str], str] = {}
+    for r in sorted(results, key=lambda r: r["series"]):
+        weights = r.get("surrogate_weights")
+        if weights and r.get("surrogate") and r["series"] != r["press"]:
+            named.setdefault((r["press"], weights), r["series"])
+    for r in results:
+        weights = r.get("surrogate_weights")
+        if weights and r["series"] != r["press"]:
+            r["series"] = named.get((r["press"], weights), r["series"])
     seen: dict[tuple, set] = defaultdict(set)
     for r in results:
         seen[(*_panel(r), r["series"])].add(r.get("surrogate_weights"))

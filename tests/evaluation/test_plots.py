@@ -269,3 +269,34 @@ def test_a_line_is_named_by_the_weights_its_runs_read(tmp_path):
         "default_then": "kvzap_mlp (earlier bundled)",
         "other": "kvzap_mlp (y/mlp)",
     }
+
+
+def test_runs_of_the_same_weights_share_one_line(tmp_path):
+    # A surrogate bundled once and replaced since: the runs that read it as the default and the runs that named
+    # its directory are one line, named after the directory; other weights read as the default stay apart.
+    model = "SmolLM2-135M-Instruct"
+    root = tmp_path / "runs"
+    runs = {
+        "default_then": (None, "fedcba9876543210", 0.6),
+        "named_then": ("train/results/z/mlp", "fedcba9876543210", 0.8),
+        "named_copy": ("train/results/a/mlp", "fedcba9876543210", 0.85),
+        "default_before": (None, "0123456789abcdef", 0.7),
+        "other_press": (None, "fedcba9876543210", 0.5),
+    }
+    for name, (surrogate, weights, ratio) in runs.items():
+        press = "kvzap_linear" if name == "other_press" else "kvzap_mlp"
+        _write(root, name, press, 40.0, [30.0, 50.0], ratio, -3.0)
+        metrics = json.loads((root / name / "metrics.json").read_text())
+        metrics.update(model=model, surrogate=surrogate, surrogate_weights=weights)
+        (root / name / "metrics.json").write_text(json.dumps(metrics))
+    results = collect_results(root)
+    series = {r["run_dir"].rsplit("/", 1)[1]: r["series"] for r in results}
+    assert series == {
+        "default_then": "kvzap_mlp (a/mlp)",
+        "named_then": "kvzap_mlp (a/mlp)",
+        "named_copy": "kvzap_mlp (a/mlp)",
+        "default_before": "kvzap_mlp (earlier bundled)",
+        "other_press": "kvzap_linear (earlier bundled)",
+    }
+    # One set of weights per line: no run needs its fingerprint to tell it apart.
+    assert all(r.get("weights_label") is None for r in results)
