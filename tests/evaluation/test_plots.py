@@ -242,6 +242,14 @@ def test_runs_of_one_setting_with_different_weights_are_kept_apart(tmp_path):
     assert "| kvzap_mlp (a/mlp) @unrecorded | tau=-2 |" in table and "| kvzap_mlp (a/mlp) @01234567 |" in table
 
 
+def _write_weighted(root, name, press, model, surrogate, weights, ratio):
+    """A tau -3 run of ``press`` on ``model`` that read ``surrogate`` (None: the default), fingerprint ``weights``."""
+    _write(root, name, press, 40.0, [30.0, 50.0], ratio, -3.0)
+    metrics = json.loads((root / name / "metrics.json").read_text())
+    metrics.update(model=model, surrogate=surrogate, surrogate_weights=weights)
+    (root / name / "metrics.json").write_text(json.dumps(metrics))
+
+
 def test_a_line_is_named_by_the_weights_its_runs_read(tmp_path):
     # The surrogate bundled now is the press's plain line however it was named (the default, or --surrogate
     # pointing at a copy of it); the default read when other weights were bundled is "earlier bundled".
@@ -258,10 +266,7 @@ def test_a_line_is_named_by_the_weights_its_runs_read(tmp_path):
         "other": ("train/results/y/mlp", "0011223344556677", 0.75),
     }
     for name, (surrogate, weights, ratio) in runs.items():
-        _write(root, name, "kvzap_mlp", 40.0, [30.0, 50.0], ratio, -3.0)
-        metrics = json.loads((root / name / "metrics.json").read_text())
-        metrics.update(model=model, surrogate=surrogate, surrogate_weights=weights)
-        (root / name / "metrics.json").write_text(json.dumps(metrics))
+        _write_weighted(root, name, "kvzap_mlp", model, surrogate, weights, ratio)
     series = {r["run_dir"].rsplit("/", 1)[1]: r["series"] for r in collect_results(root)}
     assert series == {
         "default_now": "kvzap_mlp",
@@ -285,10 +290,7 @@ def test_runs_of_the_same_weights_share_one_line(tmp_path):
     }
     for name, (surrogate, weights, ratio) in runs.items():
         press = "kvzap_linear" if name == "other_press" else "kvzap_mlp"
-        _write(root, name, press, 40.0, [30.0, 50.0], ratio, -3.0)
-        metrics = json.loads((root / name / "metrics.json").read_text())
-        metrics.update(model=model, surrogate=surrogate, surrogate_weights=weights)
-        (root / name / "metrics.json").write_text(json.dumps(metrics))
+        _write_weighted(root, name, press, model, surrogate, weights, ratio)
     results = collect_results(root)
     series = {r["run_dir"].rsplit("/", 1)[1]: r["series"] for r in results}
     assert series == {
