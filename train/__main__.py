@@ -428,6 +428,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> int:
                     f"{dms['0.5']['mean']:.2f} / {dms['0.67']['mean']:.2f} / {dms['0.8']['mean']:.2f} at 50/67/80% "
                     f"evicted, {result['n_prompts']} prompts"
                 )
+            recall = entry["top_recall"]
+            print(
+                f"{name:>6} {'all':>12}: R^2 {entry['mean_r2']:.3f}, oracle's top 1% / 5% kept (DMS-like) "
+                f"{recall['0.8']['0.01']['mean']:.3f} / {recall['0.8']['0.05']['mean']:.3f} at 80% evicted, "
+                f"{recall['0.9']['0.01']['mean']:.3f} / {recall['0.9']['0.05']['mean']:.3f} at 90%, "
+                f"{entry['n_prompts']} prompts"
+            )
         print(f"-> {args.out / 'eval.json'}, {args.out / 'kinds.png'}")
     elif args.command == "gate":
         run_gate(args)

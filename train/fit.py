@@ -12,8 +12,10 @@ correlation between predicted and true log-scores, per layer and KV head, on hel
 R^2 over all pairs is not what a threshold sees: at high compression only the top of the score distribution
 survives. :func:`kept_overlap` measures how much of the oracle's kept set the surrogate keeps at 50%, 67% and
 80% eviction, per head (top share of each prompt, layer and head) and DMS-like (one threshold per layer over
-all heads and prompts). Both metrics are reported per **kind** of text (see :mod:`train.corpus`) of the
-held-out prompts, and :func:`leave_kinds_out` fits without one kind at a time and tests on that kind alone.
+all heads and prompts), and :func:`top_recall` how many of the oracle's very top pairs (top 1% and 5% of each
+layer) survive 80% and 90% eviction under one threshold per layer. These metrics are reported per **kind** of
+text (see :mod:`train.corpus`) of the held-out prompts, and :func:`leave_kinds_out` fits without one kind at a
+time and tests on that kind alone.
 ``MLPConfig.top_weight`` optionally weights the loss of the pairs above a per-head quantile of the targets.
 """
 
@@ -38,8 +40,14 @@ MODEL_TYPES = ("linear", "mlp")
 
 EVICTIONS = (0.5, 0.67, 0.8)
 
+TOP_RECALL_EVICTIONS = (0.8, 0.9)
+
+TOP_RECALL_SHARES = (0.01, 0.05)
+
 __all__ = [
     "EVICTIONS",
+    "TOP_RECALL_EVICTIONS",
+    "TOP_RECALL_SHARES",
     "MLPConfig",
     "MODEL_TYPES",
     "LayerwiseMLP",
@@ -56,6 +64,7 @@ __all__ = [
     "pearson_r2",
     "plot_kinds",
     "plot_r2",
+    "top_recall",
 ]
 
 
@@ -689,8 +698,65 @@ def kept_overlap(
     return result
 
 
+def top_recall(
+    prediction: torch.Tensor,
+    target: torch.Tensor,
+    evictions: Sequence[float] = TOP_RECALL_EVICTIONS,
+    shares: Sequence[float] = TOP_RECALL_SHARES,
+) -> dict:
+    """Share of the oracle's very top pairs that one threshold per layer keeps, at several eviction rates.
+
+    For each layer, the ``(position, head)`` pairs of all rows are pooled (the DMS rule, as ``dms`` in
+    :func:`kept_overlap`); the surrogate keeps its top ``1 - eviction`` share of them, and the recall is
+    ``|kept & oracle top share| / |oracle top share|``. Where :func:`kept_overlap` asks how much of the whole kept
+    set is right, this asks whether the few pairs that matter most (a needle's, say) survive. A random ranking
+    scores ``1 - eviction``; the oracle scores 1 whenever ``share <= 1 - eviction``.
+
+    Parameters
+    ----------
+    prediction, target : torch.Tensor
+        ``(N, L, H)`` predicted and true log-scores.
+    evictions : sequence of float
+        Eviction rates in ``(0, 1)``.
+    shares : sequence of float
+        Top shares of the oracle's pairs, in ``(0, 1)``.
+
+    Returns
+    -------
+    dict
+        ``{eviction: {share: {"mean", "min", "per_layer" [L]}}}``, both keys formatted with ``:g`` (``"0.8"``,
+        ``"0.01"``).
+    """
+    if prediction.shape != target.shape or prediction.ndim != 3:
+        raise ValueError(
+            f"prediction and target must both have shape (N, L, H), got {tuple(prediction.shape)} and "
+            f"{tuple(target.shape)}."
+        )
+    if any(not 0 < e < 1 for e in evictions) or any(not 0 < s < 1 for s in shares):
+        raise ValueError(f"evictions and shares must lie in (0, 1), got {list(evictions)} and {list(shares)}.")
+    n, n_layers, n_heads = target.shape
+    count = n * n_heads
+
+    def top_indices(scores: torch.Tensor, share: float) -> torch.Tensor:
+        return scores.topk(min(count, max(1, round(share * count)))).indices
+
+    result: dict[str, dict] = {}
+    for eviction in evictions:
+        per_share: dict[str, dict] = {}
+        for share in shares:
+            recalls = []
+            for layer in range(n_layers):
+                kept = torch.zeros(count, dtype=torch.bool)
+                kept[top_indices(prediction[:, layer].reshape(-1).float(), 1 - eviction)] = True
+                oracle = top_indices(target[:, layer].reshape(-1).float(), share)
+                recalls.append(float(kept[oracle].float().mean()))
+            per_share[f"{share:g}"] = {"mean": float(np.mean(recalls)), "min": min(recalls), "per_layer": recalls}
+        result[f"{eviction:g}"] = per_share
+    return result
+
+
 def _summary(prediction: torch.Tensor, target: torch.Tensor, groups: torch.Tensor | None) -> dict:
-    """R^2 per layer and head, MSE and kept-set overlaps of ``(N, L, H)`` predictions."""
+    """R^2 per layer and head, MSE, kept-set overlaps and top recalls of ``(N, L, H)`` predictions."""
     r2 = pearson_r2(prediction, target)  # (L, H)
     return {
         "mean_r2": float(r2.mean()),
@@ -700,6 +766,7 @@ def _summary(prediction: torch.Tensor, target: torch.Tensor, groups: torch.Tenso
         "n_pairs": int(target.shape[0]),
         "n_prompts": None if groups is None else int(torch.unique(groups).numel()),
         "overlap": kept_overlap(prediction, target, groups),
+        "top_recall": top_recall(prediction, target),
     }
 
 
@@ -736,8 +803,8 @@ def evaluate_surrogate(
     -------
     dict
         ``mean_r2`` (over all layers and heads), ``per_layer`` ``[L]`` and ``per_head`` ``[L][H]``, ``mse``,
-        ``n_pairs``, ``n_prompts``, ``overlap`` (see :func:`kept_overlap`) and, with ``kinds``, ``per_kind``:
-        kind -> the same keys but ``per_head``.
+        ``n_pairs``, ``n_prompts``, ``overlap`` (see :func:`kept_overlap`), ``top_recall`` (see
+        :func:`top_recall`) and, with ``kinds``, ``per_kind``: kind -> the same keys but ``per_head``.
     """
     if batch_size is None:
         batch_size = max(1024, (256 << 20) // (4 * X.shape[1] * X.shape[2]))

@@ -41,12 +41,16 @@ def test_leave_kinds_out_and_evaluate_surrogates(tmp_path, tiny_tokenizer, capsy
     mlp = tmp_path / "run" / "surrogates" / "mlp"
     evaluate = ["evaluate-surrogates", "--surrogate", f"mine={mlp}", str(tmp_path / "run" / "surrogates" / "linear")]
     assert main([*evaluate, "--collection", f"{collection}/test", "--out", str(tmp_path / "eval")]) == 0
-    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines()]
     assert [line[:3] for line in lines if line[1:2] in (["code-c:"], ["dialogue:"])] == [
         ["mine", "code-c:", "R^2"],
         ["mine", "dialogue:", "R^2"],
         ["linear", "code-c:", "R^2"],
         ["linear", "dialogue:", "R^2"],
     ]
+    # One line per surrogate over all held-out prompts, with the oracle's top pairs kept at 80% and 90% eviction.
+    assert [line[:2] for line in lines if line[1:2] == ["all:"]] == [["mine", "all:"], ["linear", "all:"]]
+    assert out.count("oracle's top 1% / 5% kept (DMS-like)") == 2
     assert set(json.loads((tmp_path / "eval" / "eval.json").read_text())["surrogates"]) == {"mine", "linear"}
     assert "evaluate-surrogates" in build_parser().format_help()

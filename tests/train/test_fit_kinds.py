@@ -1,5 +1,5 @@
-"""Per-kind evaluation: kept-set overlaps with hand-computed values, R^2 per kind, kinds read from prompts.jsonl,
-leave-kinds-out fits, evaluation of saved surrogates, and the top-weighted loss."""
+"""Per-kind evaluation: kept-set overlaps and top recalls with hand-computed values, R^2 per kind, kinds read from
+prompts.jsonl, leave-kinds-out fits, evaluation of saved surrogates, and the top-weighted loss."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from train.fit import (
     fit_surrogate,
     kept_overlap,
     leave_kinds_out,
+    top_recall,
 )
 
 
@@ -55,6 +56,27 @@ def test_kept_overlap_per_head_against_one_threshold_per_layer():
         kept_overlap(prediction, target, groups[:3])
     with pytest.raises(ValueError, match="shape"):
         kept_overlap(prediction[:, 0], target[:, 0])
+
+
+def test_top_recall_hand_computed():
+    # One layer, 10 rows, 2 heads: 20 pairs with oracle scores 0..19 (pair 19 the best, pair 18 next).
+    target = torch.arange(20.0).view(10, 1, 2)
+    prediction = target.clone()
+    prediction.view(-1)[19] = -1.0  # the surrogate ranks the oracle's best pair last, the rest in order
+    result = top_recall(prediction, target, evictions=(0.8, 0.9), shares=(0.05, 0.1))
+    # 5% of 20 is the best pair alone, which no threshold keeps; 10% adds pair 18, kept at 80% (top 4 predicted:
+    # 18, 17, 16, 15) and at 90% (top 2: 18, 17).
+    assert result["0.8"]["0.05"] == {"mean": 0.0, "min": 0.0, "per_layer": [0.0]}
+    assert result["0.8"]["0.1"]["mean"] == 0.5 and result["0.9"]["0.1"]["mean"] == 0.5
+    # The oracle keeps its own top; a reversed ranking keeps none of it; layers are averaged.
+    both = torch.cat([target, -target], dim=1)  # layer 0 the oracle itself, layer 1 reversed
+    result = top_recall(both, torch.cat([target, target], dim=1), evictions=(0.8,), shares=(0.05, 0.2))
+    assert result["0.8"]["0.2"] == {"mean": 0.5, "min": 0.0, "per_layer": [1.0, 0.0]}
+    assert set(result) == {"0.8"} and set(result["0.8"]) == {"0.05", "0.2"}
+    with pytest.raises(ValueError, match="evictions and shares"):
+        top_recall(prediction, target, shares=(0.0,))
+    with pytest.raises(ValueError, match="shape"):
+        top_recall(prediction[:, 0], target[:, 0])
 
 
 class FirstFeatures(nn.Module):
@@ -152,6 +174,10 @@ def test_fit_and_save_reports_kinds_and_evaluate_saved(kinds_collections, tmp_pa
         per_kind = report["surrogates"][model_type]["per_kind"]
         assert set(per_kind) == {"code-c", "dialogue"} and per_kind["dialogue"]["n_pairs"] == 8
         assert set(report["surrogates"][model_type]["overlap"]["dms"]) == {"0.5", "0.67", "0.8"}
+        recall = report["surrogates"][model_type]["top_recall"]
+        assert set(recall) == {"0.8", "0.9"} and set(recall["0.9"]) == {"0.01", "0.05"}
+        assert 0 <= recall["0.9"]["0.05"]["min"] <= recall["0.9"]["0.05"]["mean"] <= 1
+        assert "top_recall" in per_kind["dialogue"]
     assert (tmp_path / "fit" / "kinds.png").exists()
     surrogates = {t: tmp_path / "fit" / t for t in ("linear", "mlp")}
     evaluated = evaluate_saved(surrogates, [root / "test"], tmp_path / "eval")
