@@ -905,6 +905,21 @@ def plot_r2(results: dict[str, dict], path: str | os.PathLike, title: str = "") 
     return path
 
 
+def _bar_styles(names: Sequence[str], evictions: Sequence[float | None]) -> dict[tuple, dict]:
+    """Colour and opacity of each ``(surrogate, eviction)`` bar series: one colour per surrogate (matplotlib's
+    ``tab10`` cycle, then ``tab20``), lighter at higher eviction rates, so the series of several surrogates stay
+    apart (a single colour cycle over every series repeated colours from the fourth surrogate on)."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if len(names) <= 10 else "tab20"]
+    alphas = np.linspace(1.0, 0.4, len(evictions)) if len(evictions) > 1 else [1.0]
+    return {
+        (name, eviction): {"color": cmap(i % cmap.N), "alpha": float(alpha)}
+        for i, name in enumerate(names)
+        for eviction, alpha in zip(evictions, alphas, strict=True)
+    }
+
+
 def plot_kinds(results: dict[str, dict], path: str | os.PathLike, title: str = "") -> Path:
     """Bar charts per kind of text: R^2, then the DMS-like and per-head kept-set overlaps at each eviction rate.
 
@@ -939,7 +954,9 @@ def plot_kinds(results: dict[str, dict], path: str | os.PathLike, title: str = "
         ("overlap, per head", "per_head"),
     ]
     for ax, (label, rule) in zip(axes, panels, strict=True):
-        series = [(name, None) for name in names] if rule is None else [(n, e) for n in names for e in EVICTIONS]
+        rates = [None] if rule is None else list(EVICTIONS)
+        series = [(name, eviction) for name in names for eviction in rates]
+        styles = _bar_styles(names, rates)
         width = 0.8 / len(series)
         for i, (name, eviction) in enumerate(series):
             values = []
@@ -952,7 +969,8 @@ def plot_kinds(results: dict[str, dict], path: str | os.PathLike, title: str = "
                 else:
                     values.append(entry["overlap"][rule][f"{eviction:g}"]["mean"])
             legend = name if eviction is None else f"{name}, {eviction:.0%} evicted"
-            ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=legend)
+            style = styles[name, eviction]
+            ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=legend, **style)
         ax.set_ylabel(label)
         ax.set_ylim(0, 1)
         ax.grid(axis="y", alpha=0.3)

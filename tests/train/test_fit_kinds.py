@@ -14,8 +14,10 @@ from kvzap.surrogates import KVzapSurrogate
 from tests.train import make_tiny_llama
 from train.collect import collect
 from train.fit import (
+    EVICTIONS,
     MLPConfig,
     TopWeightedMSELoss,
+    _bar_styles,
     collection_kinds,
     evaluate_saved,
     evaluate_surrogate,
@@ -77,6 +79,19 @@ def test_top_recall_hand_computed():
         top_recall(prediction, target, shares=(0.0,))
     with pytest.raises(ValueError, match="shape"):
         top_recall(prediction[:, 0], target[:, 0])
+
+
+def test_kinds_plot_gives_each_surrogate_one_colour():
+    # Five surrogates at three eviction rates are 15 series: one colour cycle over them repeated colours across
+    # surrogates (the fourth surrogate's first series took the first one's colour).
+    names = ["bundled", "a", "b", "H", "wd03"]
+    styles = _bar_styles(names, list(EVICTIONS))
+    colours = [{styles[name, e]["color"] for e in EVICTIONS} for name in names]
+    assert all(len(c) == 1 for c in colours)  # a surrogate keeps its colour at every rate
+    assert len({c.pop() for c in colours}) == len(names)  # and no two surrogates share one
+    assert [styles["H", e]["alpha"] for e in EVICTIONS] == pytest.approx([1.0, 0.7, 0.4])  # lighter as more is evicted
+    assert _bar_styles(names, [None])["H", None]["alpha"] == 1.0  # the R^2 panel: one series per surrogate
+    assert len({v["color"] for v in _bar_styles([str(i) for i in range(12)], [None]).values()}) == 12
 
 
 class FirstFeatures(nn.Module):
