@@ -5,6 +5,10 @@ scores differ is a question about the per-sample differences, which :func:`evalu
 resamples: the interval of ``A - B`` it prints is the test (resolved when it excludes 0), where comparing the two
 runs' own intervals is far too conservative. Each run is read from its ``predictions.csv``, or, for a run still
 going, from its ``predictions.partial.jsonl`` (the comparison then covers the samples both have answered).
+
+Samples are paired by task and id, and ids do not say everything that makes a sample: the offline RULER generator
+builds sample ``niah_single-2048-0`` from the seed, the haystack text and the model's tokenizer. So the two runs'
+``config.json`` must agree on what defines their samples (:func:`sample_settings`), or the comparison is refused.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 from .intervals import paired_difference
 from .runner import PARTIAL, _read_partial
 
-__all__ = ["read_predictions", "read_run", "compare_runs", "format_comparison", "main"]
+__all__ = ["read_predictions", "read_run", "sample_settings", "compare_runs", "format_comparison", "main"]
 
 
 def read_predictions(run_dir: str | Path) -> tuple[list[dict[str, Any]], bool]:
@@ -59,9 +63,46 @@ def _row(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def sample_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a run's ``config.json`` that decide what its samples are, beyond their ids: the dataset,
+    where it was read (``source``), the length and the context budget; for generated samples (``source`` None:
+    the offline RULER generator) also the seed, the haystack text and the model, whose tokenizer fills the
+    haystack; for samples truncated to ``max_context_length``, the model too. Settings a config lacks (runs of
+    older versions) are left out."""
+    keys = ["dataset", "source", "length", "max_context_length"]
+    if config.get("source") is None:
+        keys += ["seed", "haystack", "model"]
+    elif config.get("max_context_length") is not None:
+        keys.append("model")
+    return {key: config[key] for key in keys if key in config}
+
+
+def _check_same_samples(run_a: Path, run_b: Path) -> None:
+    """Raise ValueError when the two runs' ``config.json`` disagree on :func:`sample_settings` (nothing to check
+    when either has none)."""
+    configs = [Path(run) / "config.json" for run in (run_a, run_b)]
+    if not all(path.is_file() for path in configs):
+        return
+    settings_a, settings_b = (sample_settings(json.loads(path.read_text(encoding="utf-8"))) for path in configs)
+    differing = [
+        f"{key} {settings_a[key]!r} against {settings_b[key]!r}"
+        for key in settings_a.keys() & settings_b.keys()
+        if settings_a[key] != settings_b[key]
+    ]
+    if differing:
+        raise ValueError(
+            f"{run_a} and {run_b} did not answer the same samples ({'; '.join(sorted(differing))}), although "
+            "their sample ids match: a paired comparison needs two runs of the same benchmark settings. Rerun one "
+            "of them with the other's settings (e.g. `python -m evaluation ... --seed N`) and compare those."
+        )
+
+
 def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
     """:func:`~evaluation.intervals.paired_difference` of two run directories' scores (``A - B``), with each run's
-    mean score and compression ratio over the paired samples, per task and overall (mean over tasks)."""
+    mean score and compression ratio over the paired samples, per task and overall (mean over tasks).
+
+    Raises ValueError when the runs' ``config.json`` show different samples (:func:`sample_settings`)."""
+    _check_same_samples(Path(run_a), Path(run_b))
     rows_a, done_a = read_run(run_a)
     rows_b, done_b = read_run(run_b)
     by_a: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)

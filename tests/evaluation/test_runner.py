@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from evaluation.benchmarks import BENCHMARKS, LoadRequest
+from evaluation.compare import compare_runs, sample_settings
 from evaluation.intervals import run_intervals
 from evaluation.metrics import last_boxed, normalize_integer_answer, sample_score
 from evaluation.plots import summarize
@@ -484,3 +485,44 @@ def test_compare_reads_finished_and_unfinished_runs(tmp_path, capsys):
     assert result["difference"] == pytest.approx(100 / 3) and result["n"] == 3 and not result["finished_b"]
     assert main(["compare", str(a), str(tmp_path / "missing")]) == 1
     assert "holds no predictions.csv" in capsys.readouterr().err
+
+
+def test_compare_refuses_runs_of_different_samples(tmp_path, capsys):
+    """Sample ids do not carry the seed, haystack or model that made an offline RULER sample: `compare` reads both
+    runs' config.json and refuses to pair runs whose samples differ, before reading any prediction."""
+    base = {"model": "M", "dataset": "ruler_offline", "source": None, "length": 2048, "seed": 0, "haystack": "h"}
+    base.update(max_context_length=None, press="kvzap_mlp", value=-3, surrogate=None)
+    runs = {}
+    for name, change in [
+        ("a", {}),
+        ("same", {"value": -2.5, "surrogate": "other/mlp", "press": "no_press"}),
+        ("seed1", {"seed": 1}),
+        ("model", {"model": "N"}),
+        ("hub", {"dataset": "ruler", "source": "org/ruler", "seed": 1}),
+        ("hub_seed2", {"dataset": "ruler", "source": "org/ruler", "seed": 2}),
+    ]:
+        run = runs[name] = tmp_path / name
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({**base, **change}))
+        lines = [json.dumps({"task": "t", "id": i, "score": 100.0, "compression_ratio": 0.5}) for i in range(2)]
+        (run / "predictions.partial.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    # Another press, threshold or surrogate on the same samples: paired as before.
+    assert main(["compare", str(runs["a"]), str(runs["same"])]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(runs["a"]), str(runs["seed1"])]) == 1
+    err = capsys.readouterr().err
+    assert "did not answer the same samples (seed 0 against 1)" in err and "--seed" in err
+    with pytest.raises(ValueError, match="model 'M' against 'N'"):
+        compare_runs(runs["a"], runs["model"])
+    with pytest.raises(ValueError, match="dataset 'ruler_offline' against 'ruler'; source None against 'org/ruler'"):
+        compare_runs(runs["a"], runs["hub"])
+    # A Hub dataset's rows are fixed: its seed only picks a fraction of them, which the ids pair.
+    assert compare_runs(runs["hub"], runs["hub_seed2"])["n"] == 2
+    assert sample_settings({"dataset": "d", "source": "s", "length": 1, "seed": 3}) == {
+        "dataset": "d",
+        "source": "s",
+        "length": 1,
+    }
+    # Runs without config.json (or of older versions lacking a setting) are compared on what they have.
+    (runs["seed1"] / "config.json").unlink()
+    assert compare_runs(runs["a"], runs["seed1"])["n"] == 2
