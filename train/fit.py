@@ -620,6 +620,15 @@ def fit_by_layer_groups(
     return result, histories, extras
 
 
+def _check_scores(prediction: torch.Tensor, target: torch.Tensor) -> None:
+    """Raise ValueError unless predicted and true log-scores are both ``(N, L, H)`` of one shape."""
+    if prediction.shape != target.shape or prediction.ndim != 3:
+        raise ValueError(
+            f"prediction and target must both have shape (N, L, H), got {tuple(prediction.shape)} and "
+            f"{tuple(target.shape)}."
+        )
+
+
 def kept_overlap(
     prediction: torch.Tensor,
     target: torch.Tensor,
@@ -655,11 +664,7 @@ def kept_overlap(
         ``{"per_head": {rate: {"mean", "per_layer" [L]}}, "dms": {rate: {"mean", "per_layer" [L]}}}`` with the
         rates formatted as ``"0.5"``, ``"0.67"``, ``"0.8"``.
     """
-    if prediction.shape != target.shape or prediction.ndim != 3:
-        raise ValueError(
-            f"prediction and target must both have shape (N, L, H), got {tuple(prediction.shape)} and "
-            f"{tuple(target.shape)}."
-        )
+    _check_scores(prediction, target)
     if any(not 0 < e < 1 for e in evictions):
         raise ValueError(f"evictions must lie in (0, 1), got {list(evictions)}.")
     n, n_layers, n_heads = target.shape
@@ -727,11 +732,7 @@ def top_recall(
         ``{eviction: {share: {"mean", "min", "per_layer" [L]}}}``, both keys formatted with ``:g`` (``"0.8"``,
         ``"0.01"``).
     """
-    if prediction.shape != target.shape or prediction.ndim != 3:
-        raise ValueError(
-            f"prediction and target must both have shape (N, L, H), got {tuple(prediction.shape)} and "
-            f"{tuple(target.shape)}."
-        )
+    _check_scores(prediction, target)
     if any(not 0 < e < 1 for e in evictions) or any(not 0 < s < 1 for s in shares):
         raise ValueError(f"evictions and shares must lie in (0, 1), got {list(evictions)} and {list(shares)}.")
     n, n_layers, n_heads = target.shape
@@ -740,19 +741,22 @@ def top_recall(
     def top_indices(scores: torch.Tensor, share: float) -> torch.Tensor:
         return scores.topk(min(count, max(1, round(share * count)))).indices
 
-    result: dict[str, dict] = {}
-    for eviction in evictions:
-        per_share: dict[str, dict] = {}
-        for share in shares:
-            recalls = []
-            for layer in range(n_layers):
-                kept = torch.zeros(count, dtype=torch.bool)
-                kept[top_indices(prediction[:, layer].reshape(-1).float(), 1 - eviction)] = True
-                oracle = top_indices(target[:, layer].reshape(-1).float(), share)
-                recalls.append(float(kept[oracle].float().mean()))
-            per_share[f"{share:g}"] = {"mean": float(np.mean(recalls)), "min": min(recalls), "per_layer": recalls}
-        result[f"{eviction:g}"] = per_share
-    return result
+    recalls = {(e, s): [] for e in evictions for s in shares}
+    for layer in range(n_layers):
+        # Each layer's oracle top sets and kept sets, once each, then every (eviction, share) pair of them.
+        oracle = {s: top_indices(target[:, layer].reshape(-1).float(), s) for s in shares}
+        for eviction in evictions:
+            kept = torch.zeros(count, dtype=torch.bool)
+            kept[top_indices(prediction[:, layer].reshape(-1).float(), 1 - eviction)] = True
+            for share in shares:
+                recalls[eviction, share].append(float(kept[oracle[share]].float().mean()))
+    return {
+        f"{e:g}": {
+            f"{s:g}": {"mean": float(np.mean(recalls[e, s])), "min": min(recalls[e, s]), "per_layer": recalls[e, s]}
+            for s in shares
+        }
+        for e in evictions
+    }
 
 
 def _summary(prediction: torch.Tensor, target: torch.Tensor, groups: torch.Tensor | None) -> dict:
