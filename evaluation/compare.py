@@ -9,6 +9,8 @@ going, from its ``predictions.partial.jsonl`` (the comparison then covers the sa
 Samples are paired by task and id, and ids do not say everything that makes a sample: the offline RULER generator
 builds sample ``niah_single-2048-0`` from the seed, the haystack text and the model's tokenizer. So the two runs'
 ``config.json`` must agree on what defines their samples (:func:`sample_settings`), or the comparison is refused.
+Runs that wrote ``samples.json`` (a hash of each sample's context, question and answers) are judged on it instead:
+the same samples compare whatever the settings say (two models sharing a tokenizer), different ones are refused.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .intervals import paired_difference
-from .runner import PARTIAL, _read_partial
+from .runner import PARTIAL, SAMPLES, _read_partial
 
 __all__ = ["read_predictions", "read_run", "sample_settings", "compare_runs", "format_comparison", "main"]
 
@@ -77,21 +79,43 @@ def sample_settings(config: dict[str, Any]) -> dict[str, Any]:
     return {key: config[key] for key in keys if key in config}
 
 
-def _check_same_samples(run_a: Path, run_b: Path) -> None:
-    """Raise ValueError when the two runs' ``config.json`` disagree on :func:`sample_settings` (nothing to check
-    when either has none)."""
+def _differing_settings(run_a: Path, run_b: Path) -> list[str]:
+    """The :func:`sample_settings` on which the two runs' ``config.json`` disagree (none when either has none)."""
     configs = [Path(run) / "config.json" for run in (run_a, run_b)]
     if not all(path.is_file() for path in configs):
-        return
+        return []
     settings_a, settings_b = (sample_settings(json.loads(path.read_text(encoding="utf-8"))) for path in configs)
-    differing = [
+    return sorted(
         f"{key} {settings_a[key]!r} against {settings_b[key]!r}"
         for key in settings_a.keys() & settings_b.keys()
         if settings_a[key] != settings_b[key]
-    ]
+    )
+
+
+def _fingerprints(run: Path) -> dict[str, str] | None:
+    path = Path(run) / SAMPLES
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _check_same_samples(run_a: Path, run_b: Path, keys: set[str]) -> None:
+    """Raise ValueError when the two runs did not answer the same samples under the paired ``keys``
+    (``task/id``). Runs that both wrote sample fingerprints (``samples.json``) are judged on those, so two models
+    sharing a tokenizer compare on the samples they share; older runs on their :func:`sample_settings`."""
+    differing = _differing_settings(run_a, run_b)
+    fingerprints = _fingerprints(run_a), _fingerprints(run_b)
+    if (
+        fingerprints[0] is not None
+        and fingerprints[1] is not None
+        and all(k in fingerprints[0] and k in fingerprints[1] for k in keys)
+    ):
+        other = sorted(k for k in keys if fingerprints[0][k] != fingerprints[1][k])
+        if not other:
+            return
+        what = f"{len(other)} of {len(keys)} paired samples differ in content, e.g. {other[0]}"
+        differing = [what, *differing]
     if differing:
         raise ValueError(
-            f"{run_a} and {run_b} did not answer the same samples ({'; '.join(sorted(differing))}), although "
+            f"{run_a} and {run_b} did not answer the same samples ({'; '.join(differing)}), although "
             "their sample ids match: a paired comparison needs two runs of the same benchmark settings. Rerun one "
             "of them with the other's settings (e.g. `python -m evaluation ... --seed N`) and compare those."
         )
@@ -101,10 +125,13 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
     """:func:`~evaluation.intervals.paired_difference` of two run directories' scores (``A - B``), with each run's
     mean score and compression ratio over the paired samples, per task and overall (mean over tasks).
 
-    Raises ValueError when the runs' ``config.json`` show different samples (:func:`sample_settings`)."""
-    _check_same_samples(Path(run_a), Path(run_b))
+    Raises ValueError when the runs did not answer the same samples: by their sample fingerprints
+    (``samples.json``, :func:`evaluation.runner.sample_fingerprints`) where both runs wrote them, else by their
+    ``config.json`` (:func:`sample_settings`)."""
     rows_a, done_a = read_run(run_a)
     rows_b, done_b = read_run(run_b)
+    keys = {f"{r['task']}/{r['id']}" for r in rows_a} & {f"{r['task']}/{r['id']}" for r in rows_b}
+    _check_same_samples(Path(run_a), Path(run_b), keys)
     by_a: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     by_b: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     for rows, by in ((rows_a, by_a), (rows_b, by_b)):

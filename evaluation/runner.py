@@ -564,6 +564,21 @@ def _sample_key(sample: dict[str, Any]) -> str:
     return f"{sample['task']}/{sample['id']}"
 
 
+#: A run's fingerprint of every sample it answers, by sample key (written beside ``config.json``).
+SAMPLES = "samples.json"
+
+
+def sample_fingerprints(samples: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """A short hash of what each sample asks (context, question, answer prefix, answers), by sample key
+    (``task/id``): two runs answered the same sample when their fingerprints of its key agree, whatever their
+    settings say (:func:`evaluation.compare.compare_runs` reads them)."""
+    fields = ("context", "question", "answer_prefix", "answers")
+    return {
+        _sample_key(s): hashlib.sha256(json.dumps([s.get(f) for f in fields]).encode()).hexdigest()[:16]
+        for s in samples
+    }
+
+
 def _read_partial(path: Path) -> dict[str, dict[str, Any]]:
     """Rows an interrupted run already wrote, by sample key; a last line cut off by the interruption is dropped."""
     done: dict[str, dict[str, Any]] = {}
@@ -868,6 +883,9 @@ def run_evaluation(config: EvalConfig, model: Any = None, tokenizer: Any = None)
         record = directory / f"config.json.{os.getpid()}.tmp"
         record.write_text(json.dumps(_config_record(config, run, model_name), indent=2), encoding="utf-8")
         record.replace(directory / "config.json")
+        fingerprints = directory / f"{SAMPLES}.{os.getpid()}.tmp"
+        fingerprints.write_text(json.dumps(sample_fingerprints(samples_by_length[run.length]), indent=0), "utf-8")
+        fingerprints.replace(directory / SAMPLES)
         rows = _evaluate_run(pipe, config, run, samples_by_length[run.length], model, tokenizer, directory)
         if rows is None:  # this shard's samples are answered, other shards' are not yet
             results.append({"run_dir": str(directory), **dataclasses.asdict(run), "metrics": None, "skipped": False})

@@ -16,8 +16,16 @@ from evaluation.intervals import run_intervals
 from evaluation.metrics import last_boxed, normalize_integer_answer, sample_score
 from evaluation.plots import summarize
 from evaluation.presses import PRESSES, PressFactory
-from evaluation.ruler import TASKS
-from evaluation.runner import EvalConfig, load_config, main, plan_runs, run_dir, run_evaluation
+from evaluation.ruler import TASKS, generate_samples
+from evaluation.runner import (
+    EvalConfig,
+    load_config,
+    main,
+    plan_runs,
+    run_dir,
+    run_evaluation,
+    sample_fingerprints,
+)
 from tests.conftest import char_tokenizer, tiny_model
 
 SETTINGS = dict(
@@ -65,6 +73,9 @@ def test_writes_every_file(finished):
             assert float(row["score"]) == sample_score(row["task"], row["prediction"], answers)
         ratios = [float(r["compression_ratio"]) for r in rows]
         assert metrics["compression_ratio"] == pytest.approx(sum(ratios) / len(ratios))
+        # The fingerprints of the samples it answered: those the generator gives again for these settings.
+        again = generate_samples(char_tokenizer(), ["niah_single", "cwe"], 400, 2, seed=config.seed)
+        assert json.loads((directory / "samples.json").read_text()) == sample_fingerprints(again)
         assert metrics["tasks_compression_ratio"] == pytest.approx(
             {t: sum(ratios[i] for i, r in enumerate(rows) if r["task"] == t) / 2 for t in ("niah_single", "cwe")}
         )
@@ -489,7 +500,7 @@ def test_compare_reads_finished_and_unfinished_runs(tmp_path, capsys):
 
 def test_compare_refuses_runs_of_different_samples(tmp_path, capsys):
     """Sample ids do not carry the seed, haystack or model that made an offline RULER sample: `compare` reads both
-    runs' config.json and refuses to pair runs whose samples differ, before reading any prediction."""
+    runs' config.json and refuses to pair runs whose samples differ."""
     base = {"model": "M", "dataset": "ruler_offline", "source": None, "length": 2048, "seed": 0, "haystack": "h"}
     base.update(max_context_length=None, press="kvzap_mlp", value=-3, surrogate=None)
     runs = {}
@@ -526,3 +537,39 @@ def test_compare_refuses_runs_of_different_samples(tmp_path, capsys):
     # Runs without config.json (or of older versions lacking a setting) are compared on what they have.
     (runs["seed1"] / "config.json").unlink()
     assert compare_runs(runs["a"], runs["seed1"])["n"] == 2
+
+
+def test_compare_judges_runs_on_their_sample_fingerprints(tmp_path, capsys):
+    """A run writes samples.json, a hash of every sample's content: `compare` pairs two runs on it when both have
+    one, so two models sharing a tokenizer (a fine-tuned copy) compare, and runs whose samples differ are refused
+    even when their settings agree."""
+    tok = char_tokenizer()
+    samples = {seed: generate_samples(tok, ["niah_single"], 600, 3, seed=seed) for seed in (0, 1)}
+    assert samples[0][0]["id"] == samples[1][0]["id"] and samples[0][0]["context"] != samples[1][0]["context"]
+    fingerprints = {seed: sample_fingerprints(s) for seed, s in samples.items()}
+    assert list(fingerprints[0]) == [
+        "niah_single/niah_single-600-0",
+        "niah_single/niah_single-600-1",
+        "niah_single/niah_single-600-2",
+    ]
+    assert fingerprints[0] == sample_fingerprints(generate_samples(tok, ["niah_single"], 600, 3, seed=0))
+    assert all(fingerprints[0][k] != fingerprints[1][k] for k in fingerprints[0])
+    base = {"model": "M", "dataset": "ruler_offline", "source": None, "length": 600, "seed": 0, "haystack": "h"}
+    runs = {}
+    for name, change, seed in [("a", {}, 0), ("tuned", {"model": "M-tuned"}, 0), ("same_settings", {}, 1)]:
+        run = runs[name] = tmp_path / name
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({**base, **change}))
+        (run / "samples.json").write_text(json.dumps(fingerprints[seed]))
+        lines = [
+            json.dumps({"task": s["task"], "id": s["id"], "score": 100.0, "compression_ratio": 0.5})
+            for s in samples[seed]
+        ]
+        (run / "predictions.partial.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert compare_runs(runs["a"], runs["tuned"])["n"] == 3  # the settings differ (model), the samples do not
+    with pytest.raises(ValueError, match="3 of 3 paired samples differ in content, e.g. niah_single/niah_single-600-0"):
+        compare_runs(runs["a"], runs["same_settings"])
+    # A run without fingerprints (older versions): judged on the settings, which refuse the other model.
+    (runs["tuned"] / "samples.json").unlink()
+    with pytest.raises(ValueError, match="model 'M' against 'M-tuned'"):
+        compare_runs(runs["a"], runs["tuned"])
