@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .intervals import paired_difference
-from .runner import PARTIAL, SAMPLES, _read_partial
+from .runner import PARTIAL, SAMPLES, _read_partial, _sample_key
 
 __all__ = ["read_predictions", "read_run", "sample_settings", "compare_runs", "format_comparison", "main"]
 
@@ -101,8 +101,8 @@ def _check_same_samples(run_a: Path, run_b: Path, keys: set[str]) -> None:
     """Raise ValueError when the two runs did not answer the same samples under the paired ``keys``
     (``task/id``). Runs that both wrote sample fingerprints (``samples.json``) are judged on those, so two models
     sharing a tokenizer compare on the samples they share; older runs on their :func:`sample_settings`."""
-    differing = _differing_settings(run_a, run_b)
     fingerprints = _fingerprints(run_a), _fingerprints(run_b)
+    content: list[str] = []
     if (
         fingerprints[0] is not None
         and fingerprints[1] is not None
@@ -111,8 +111,8 @@ def _check_same_samples(run_a: Path, run_b: Path, keys: set[str]) -> None:
         other = sorted(k for k in keys if fingerprints[0][k] != fingerprints[1][k])
         if not other:
             return
-        what = f"{len(other)} of {len(keys)} paired samples differ in content, e.g. {other[0]}"
-        differing = [what, *differing]
+        content = [f"{len(other)} of {len(keys)} paired samples differ in content, e.g. {other[0]}"]
+    differing = content + _differing_settings(run_a, run_b)
     if differing:
         raise ValueError(
             f"{run_a} and {run_b} did not answer the same samples ({'; '.join(differing)}), although "
@@ -130,7 +130,7 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
     ``config.json`` (:func:`sample_settings`)."""
     rows_a, done_a = read_run(run_a)
     rows_b, done_b = read_run(run_b)
-    keys = {f"{r['task']}/{r['id']}" for r in rows_a} & {f"{r['task']}/{r['id']}" for r in rows_b}
+    keys = {_sample_key(r) for r in rows_a} & {_sample_key(r) for r in rows_b}
     _check_same_samples(Path(run_a), Path(run_b), keys)
     by_a: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     by_b: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)

@@ -15,7 +15,7 @@ the rest of its sentence, overall and per layer. The needles are outside the 128
 from __future__ import annotations
 
 import argparse
-import csv
+import itertools
 import json
 import statistics
 
@@ -67,7 +67,7 @@ def collect(seed: int, threshold: float, surrogate: str | None, out: str) -> Non
             model(ids)
         scores = torch.stack([captured[i] for i in sorted(captured)])  # (L, H, T)
         pieces = [tok.decode([t]) for t in ids[0].tolist()]
-        starts = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+        starts = [0, *itertools.accumulate(len(p) for p in pieces)][:-1]  # each token's first character
         text = "".join(pieces)
 
         needles = []
@@ -110,14 +110,9 @@ def report(files: list[str], runs: list[str] | None) -> None:
             ]
             print(f"{which:>10} {part:>5}: " + ", ".join(f"{n} {m:.3f}" for n, m in zip(names, means, strict=True)))
     if runs:  # the samples one run found and the other did not
-        found = [
-            {
-                r["id"]: float(r["score"])
-                for r in csv.DictReader(open(f"{run}/predictions.csv"))
-                if r["task"] == "niah_multikey"
-            }
-            for run in runs
-        ]
+        from evaluation.compare import read_run
+
+        found = [{r["id"]: r["score"] for r in read_run(run)[0] if r["task"] == "niah_multikey"} for run in runs]
         only_a = [i for i in found[0] if found[0][i] > found[1][i]]
         only_b = [i for i in found[0] if found[0][i] < found[1][i]]
         print(f"found by run A only: {len(only_a)} {only_a}; by run B only: {len(only_b)} {only_b}")
