@@ -1,4 +1,6 @@
-r"""Command line of the KVzap training scripts: ``python -m train {build-corpus,collect,fit,evaluate-surrogates,all}``.
+r"""Command line of the KVzap training scripts: ``python -m train COMMAND``.
+
+Commands: build-corpus, collect, fit, evaluate-surrogates, ensemble, gate, all.
 
 Typical offline run on the default model::
 
@@ -202,6 +204,20 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     )
     assess.add_argument("--collection", type=Path, nargs="+", required=True, help="Collection split folders.")
     assess.add_argument("--out", type=Path, default=Path("outputs/eval_surrogates"), help="Output folder.")
+
+    average = sub.add_parser(
+        "ensemble",
+        help="Average saved surrogates into one (an MLP with the members' hidden layers side by side).",
+        description="Write OUT, one surrogate in the published format whose prediction is the (weighted) mean of "
+        "the members' predictions, exactly: MLPs become one MLP with the members' hidden layers side by side "
+        "(hidden width the sum of theirs), linears one linear with the averaged weights. OUT/ensemble.json records "
+        "the members (path, weight, sha256).",
+    )
+    average.add_argument("members", type=Path, nargs="+", metavar="DIR", help="Saved surrogates of one type.")
+    average.add_argument("--out", type=Path, required=True, help="Output folder.")
+    average.add_argument(
+        "--weights", type=float, nargs="+", default=None, help="One positive weight per member (default: equal)."
+    )
 
     gate = sub.add_parser(
         "gate",
@@ -436,6 +452,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> int:
                 f"{entry['n_prompts']} prompts"
             )
         print(f"-> {args.out / 'eval.json'}, {args.out / 'kinds.png'}")
+    elif args.command == "ensemble":
+        from .ensemble import ensemble
+
+        record = ensemble(args.members, args.out, args.weights)
+        print(
+            f"{record['model_type']} ensemble of {len(record['members'])} surrogates"
+            + (f" (hidden {record['hidden_dim']})" if record["hidden_dim"] else "")
+            + f" -> {args.out}"
+        )
     elif args.command == "gate":
         run_gate(args)
     else:  # all
