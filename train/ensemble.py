@@ -24,6 +24,17 @@ from kvzap.surrogates.kvzap_surrogate import KVzapSurrogate
 ENSEMBLE_NAME = "ensemble.json"
 
 
+def _shares(weights: Sequence[float] | None, n: int) -> list[float]:
+    """``weights`` normalised to sum to 1 (equal when None), after checking there is one positive weight per member."""
+    if weights is None:
+        return [1.0 / n] * n
+    if len(weights) != n:
+        raise ValueError(f"Got {len(weights)} weights for {n} surrogates; give one per surrogate.")
+    if any(not w > 0 for w in weights):
+        raise ValueError(f"Weights must be positive, got {list(weights)}.")
+    return [float(w) / sum(weights) for w in weights]
+
+
 def average_surrogates(surrogates: Sequence[KVzapSurrogate], weights: Sequence[float] | None = None) -> KVzapSurrogate:
     """One surrogate predicting the weighted mean of the members' predictions.
 
@@ -55,13 +66,7 @@ def average_surrogates(surrogates: Sequence[KVzapSurrogate], weights: Sequence[f
                     f"Surrogate {i} has {field}={getattr(member, field)!r} but surrogate 0 has "
                     f"{getattr(first, field)!r}: only surrogates of one type trained for the same model average."
                 )
-    if weights is None:
-        weights = [1.0] * len(surrogates)
-    if len(weights) != len(surrogates):
-        raise ValueError(f"Got {len(weights)} weights for {len(surrogates)} surrogates; give one per surrogate.")
-    if any(not w > 0 for w in weights):
-        raise ValueError(f"Weights must be positive, got {list(weights)}.")
-    w = [float(x) / sum(weights) for x in weights]
+    w = _shares(weights, len(surrogates))
 
     states = [{k: v.detach().float() for k, v in member.state_dict().items()} for member in surrogates]
     hidden_dim = None if first.hidden_dim is None else sum(member.hidden_dim for member in surrogates)
@@ -82,14 +87,6 @@ def average_surrogates(surrogates: Sequence[KVzapSurrogate], weights: Sequence[f
             state[f"layers.{i}.2.bias"] = sum(wk * s[f"layers.{i}.2.bias"] for wk, s in zip(w, states, strict=True))
     merged.load_state_dict(state)
     return merged.eval()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def ensemble(
@@ -114,17 +111,16 @@ def ensemble(
         )
     surrogates = [KVzapSurrogate.from_pretrained(p, local_files_only=True) for p in paths]
     merged = average_surrogates(surrogates, weights)
-    total = sum(weights) if weights is not None else len(paths)
     record = {
         "model_type": merged.model_type,
         "hidden_dim": merged.hidden_dim,
         "members": [
             {
                 "path": str(p),
-                "weight": (weights[i] if weights is not None else 1.0) / total,
-                "sha256": _sha256(p / "model.safetensors"),
+                "weight": share,
+                "sha256": hashlib.sha256((p / "model.safetensors").read_bytes()).hexdigest(),
             }
-            for i, p in enumerate(paths)
+            for p, share in zip(paths, _shares(weights, len(paths)), strict=True)
         ],
     }
     out = merged.save_pretrained(out)

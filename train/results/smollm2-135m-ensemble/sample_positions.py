@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from train.collect import sample_positions
 
@@ -30,9 +30,9 @@ def subsample(src: Path, dst: Path, n: int) -> int:
     dst.mkdir(parents=True, exist_ok=True)
     shards = []
     for shard in manifest["shards"]:
-        tensors = load_file(src / shard["file"])
         with safe_open(src / shard["file"], "pt") as f:
             metadata = f.metadata()
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
         prompt_index, position = tensors["prompt_index"], tensors["position"]
         keep = torch.zeros(len(prompt_index), dtype=torch.bool)
         for index in prompt_index.unique().tolist():
