@@ -11,6 +11,11 @@ builds sample ``niah_single-2048-0`` from the seed, the haystack text and the mo
 ``config.json`` must agree on what defines their samples (:func:`sample_settings`), or the comparison is refused.
 Runs that wrote ``samples.json`` (a hash of each sample's context, question and answers) are judged on it instead:
 the same samples compare whatever the settings say (two models sharing a tokenizer), different ones are refused.
+
+One seed's 200 needle samples often leave a difference of half a point unresolved. ``compare A0 B0 A1 B1 ...``
+pools pairs of runs, one pair per seed: each pair must answer the same samples, as above; the pairs must answer
+different ones (another seed), and each side must run the same press, value and surrogate in every pair
+(:func:`press_settings`). The difference is then bootstrapped over all pairs' samples, still stratified by task.
 """
 
 from __future__ import annotations
@@ -25,7 +30,16 @@ from typing import Any
 from .intervals import paired_difference
 from .runner import PARTIAL, SAMPLES, _read_partial, _sample_key
 
-__all__ = ["read_predictions", "read_run", "sample_settings", "compare_runs", "format_comparison", "main"]
+__all__ = [
+    "read_predictions",
+    "read_run",
+    "sample_settings",
+    "press_settings",
+    "compare_runs",
+    "compare_pooled",
+    "format_comparison",
+    "main",
+]
 
 
 def read_predictions(run_dir: str | Path) -> tuple[list[dict[str, Any]], bool]:
@@ -85,11 +99,32 @@ def _differing_settings(run_a: Path, run_b: Path) -> list[str]:
     if not all(path.is_file() for path in configs):
         return []
     settings_a, settings_b = (sample_settings(json.loads(path.read_text(encoding="utf-8"))) for path in configs)
+    return _disagreements(settings_a, settings_b)
+
+
+def _disagreements(settings_a: dict[str, Any], settings_b: dict[str, Any]) -> list[str]:
+    """``"key A against B"`` for every setting both have and give different values, sorted."""
     return sorted(
         f"{key} {settings_a[key]!r} against {settings_b[key]!r}"
         for key in settings_a.keys() & settings_b.keys()
         if settings_a[key] != settings_b[key]
     )
+
+
+#: The settings of a run's ``config.json`` that say what answered its samples: one side of a pooled comparison
+#: keeps them in every pair (``surrogate_weights`` names the weights, whatever directory they were read from).
+PRESS_SETTINGS = ("press", "knob", "value", "surrogate_weights", "sliding_window_size", "decoding", "dtype")
+
+
+def press_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a run's ``config.json`` that decide what answered its samples (:data:`PRESS_SETTINGS`),
+    as far as the config has them."""
+    return {key: config[key] for key in PRESS_SETTINGS if key in config}
+
+
+def _config(run: Path) -> dict[str, Any] | None:
+    path = Path(run) / "config.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def _fingerprints(run: Path) -> dict[str, str] | None:
@@ -128,15 +163,67 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
     Raises ValueError when the runs did not answer the same samples: by their sample fingerprints
     (``samples.json``, :func:`evaluation.runner.sample_fingerprints`) where both runs wrote them, else by their
     ``config.json`` (:func:`sample_settings`)."""
-    rows_a, done_a = read_run(run_a)
-    rows_b, done_b = read_run(run_b)
-    keys = {_sample_key(r) for r in rows_a} & {_sample_key(r) for r in rows_b}
-    _check_same_samples(Path(run_a), Path(run_b), keys)
+    return compare_pooled([(run_a, run_b)])
+
+
+def _check_pooled(pairs: list[tuple[Path, Path]]) -> None:
+    """Raise ValueError, before any score is read, when pooled pairs would count a sample twice (two pairs of the
+    same samples) or mix presses on one side (:func:`press_settings` differ between pairs)."""
+    for side, runs in (("A", [a for a, _ in pairs]), ("B", [b for _, b in pairs])):
+        configs = [(run, press_settings(config)) for run in runs if (config := _config(run)) is not None]
+        for run, settings in configs[1:]:
+            first, reference = configs[0]
+            differing = _disagreements(reference, settings)
+            if differing:
+                raise ValueError(
+                    f"{side}'s runs {first} and {run} were not answered alike ({'; '.join(differing)}): pooling "
+                    f"pairs needs the same press, value and surrogate on side {side} in every pair. Give each "
+                    "side's runs of one setting, one per seed."
+                )
+    seen: dict[str, Path] = {}
+    for run, _ in pairs:
+        fingerprints = _fingerprints(run)
+        config = _config(run)
+        if fingerprints is not None:
+            identity = sorted(fingerprints.values())
+        elif config is not None and config.get("source") is None:
+            identity = sorted(sample_settings(config).items())
+        else:
+            continue  # a Hub dataset's seed picks rows without saying which: nothing to check on
+        key = json.dumps(identity, default=str)
+        if key in seen:
+            raise ValueError(
+                f"{seen[key]} and {run} answered the same samples: pooled pairs must be runs of different samples "
+                "(one pair per seed, e.g. `python -m evaluation ... --seed 1` for the second pair)."
+            )
+        seen[key] = run
+
+
+def compare_pooled(pairs: list[tuple[str | Path, str | Path]]) -> dict[str, Any]:
+    """:func:`compare_runs` over several pairs of runs (``A`` and ``B`` of seed 0, of seed 1, ...) pooled into one
+    paired difference: every pair is checked as :func:`compare_runs` checks its two runs, the pairs must answer
+    different samples and each side the same :func:`press_settings` (ValueError otherwise, before scores are
+    read). Samples are keyed by pair and id, so ``n`` counts every pair's paired samples; the result holds the
+    keys of :func:`compare_runs`, ``run_a`` and ``run_b`` joining the runs of each side with ``" + "``."""
+    if not pairs:
+        raise ValueError("Give at least one pair of runs to compare.")
+    paths = [(Path(a), Path(b)) for a, b in pairs]
+    if len(paths) > 1:
+        _check_pooled(paths)
     by_a: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     by_b: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
-    for rows, by in ((rows_a, by_a), (rows_b, by_b)):
-        for r in rows:
-            by[r["task"]][r["id"]] = r
+    finished = {"a": True, "b": True}
+    for index, (run_a, run_b) in enumerate(paths):
+        rows_a, done_a = read_run(run_a)
+        rows_b, done_b = read_run(run_b)
+        finished["a"] &= done_a
+        finished["b"] &= done_b
+        keys = {_sample_key(r) for r in rows_a} & {_sample_key(r) for r in rows_b}
+        _check_same_samples(run_a, run_b, keys)
+        prefix = f"{index}:" if len(paths) > 1 else ""
+        for rows, by in ((rows_a, by_a), (rows_b, by_b)):
+            for r in rows:
+                by[r["task"]][prefix + r["id"]] = r
     result = paired_difference(
         {t: {i: r["score"] for i, r in s.items()} for t, s in by_a.items()},
         {t: {i: r["score"] for i, r in s.items()} for t, s in by_b.items()},
@@ -148,7 +235,13 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
             entry[f"compression_{side}"] = sum(by[task][i]["compression_ratio"] for i in common) / len(common)
     for key in ("score_a", "score_b", "compression_a", "compression_b"):
         result[key] = sum(t[key] for t in result["tasks"].values()) / len(result["tasks"])
-    result.update(run_a=str(run_a), run_b=str(run_b), finished_a=done_a, finished_b=done_b)
+    result.update(
+        run_a=" + ".join(str(a) for a, _ in pairs),
+        run_b=" + ".join(str(b) for _, b in pairs),
+        finished_a=finished["a"],
+        finished_b=finished["b"],
+        pairs=len(pairs),
+    )
     return result
 
 
@@ -167,6 +260,7 @@ def format_comparison(result: dict[str, Any]) -> str:
     out = [
         f"A: {result['run_a']}" + ("" if result["finished_a"] else " (unfinished)"),
         f"B: {result['run_b']}" + ("" if result["finished_b"] else " (unfinished)"),
+        *([f"pooled over {result['pairs']} pairs of runs (one per seed)"] if result.get("pairs", 1) > 1 else []),
         "",
         "| task | paired samples | A | B | A - B [95%, paired bootstrap] | | A evicted | B evicted |",
         "|---|---|---|---|---|---|---|---|",
@@ -179,16 +273,27 @@ def format_comparison(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m evaluation compare") -> int:
-    """``python -m evaluation compare RUN_A RUN_B [--json]``; prints the table (or the JSON)."""
+    """``python -m evaluation compare RUN_A RUN_B [RUN_A RUN_B ...] [--json]``; prints the table (or the JSON)."""
     import sys
 
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0].split(": ", 1)[1])
     parser.add_argument("run_a", help="a run directory (holding predictions.csv or predictions.partial.jsonl)")
     parser.add_argument("run_b", help="the run to compare it with, on the same benchmark")
+    parser.add_argument(
+        "more",
+        nargs="*",
+        metavar="RUN_A RUN_B",
+        help="more pairs of runs, one pair per seed (A then B), pooled with the first into one paired difference",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
+    if len(args.more) % 2:
+        parser.error(
+            f"runs come in pairs (A then B, one pair per seed); the last of {2 + len(args.more)} has no partner"
+        )
+    pairs = [(args.run_a, args.run_b)] + list(zip(args.more[::2], args.more[1::2], strict=True))
     try:
-        result = compare_runs(args.run_a, args.run_b)
+        result = compare_pooled(pairs)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -944,7 +944,8 @@ def build_parser(prog: str = "python -m evaluation") -> argparse.ArgumentParser:
         description=textwrap.fill(
             "Accuracy vs compression of kvzap presses on long-context benchmarks (the offline RULER-style suite, "
             "RULER, LongBench, AIME 2025). Subcommands: `plot` (or `summarize`) --results-dir DIR; `compare` RUN_DIR_A "
-            "RUN_DIR_B (the paired score difference of two runs); `errors` RUN_DIR... (how the needle answers of runs "
+            "RUN_DIR_B [RUN_DIR_A RUN_DIR_B ...] (the paired score difference of two runs, or of pairs pooled over "
+            "seeds); `errors` RUN_DIR... (how the needle answers of runs "
             "of the offline suite went wrong); anything else runs a sweep.",
             100,
         ),

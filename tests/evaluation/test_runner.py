@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from evaluation.benchmarks import BENCHMARKS, LoadRequest
-from evaluation.compare import compare_runs, sample_settings
+from evaluation.compare import compare_pooled, compare_runs, sample_settings
 from evaluation.intervals import run_intervals
 from evaluation.metrics import last_boxed, normalize_integer_answer, sample_score
 from evaluation.plots import summarize
@@ -573,3 +573,46 @@ def test_compare_judges_runs_on_their_sample_fingerprints(tmp_path, capsys):
     (runs["tuned"] / "samples.json").unlink()
     with pytest.raises(ValueError, match="model 'M' against 'M-tuned'"):
         compare_runs(runs["a"], runs["tuned"])
+
+
+def test_compare_pools_pairs_of_runs_over_seeds(tmp_path, capsys):
+    """`compare A0 B0 A1 B1`: one paired difference over both seeds' samples, whose ids coincide; refused when a
+    side mixes presses, when two pairs hold the same samples, or when a run has no partner."""
+    base = {"model": "M", "dataset": "ruler_offline", "source": None, "length": 600, "haystack": "h"}
+    base.update(max_context_length=None, press="kvzap_mlp", knob="threshold", surrogate_weights="w")
+
+    def run(name, seed, value, scores):
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({**base, "seed": seed, "value": value}))
+        lines = [
+            json.dumps({"task": task, "id": f"{task}-{i}", "score": score, "compression_ratio": 0.5 + seed / 10})
+            for task in ("t", "u")
+            for i, score in enumerate(scores)
+        ]
+        (directory / "predictions.partial.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return str(directory)
+
+    a0, b0 = run("a0", 0, -3, [100, 100, 0, 0]), run("b0", 0, -2, [100, 0, 0, 0])
+    a1, b1 = run("a1", 1, -3, [100, 100, 100, 0]), run("b1", 1, -2, [100, 100, 0, 0])
+    pooled = compare_pooled([(a0, b0), (a1, b1)])
+    # Eight samples a task (ids t-0..t-3 twice, kept apart by their pair): A 5/8, B 3/8 in both tasks.
+    assert pooled["n"] == 16 and pooled["unpaired"] == 0 and pooled["pairs"] == 2
+    assert pooled["difference"] == pytest.approx(25.0)
+    assert pooled["score_a"] == pytest.approx(62.5) and pooled["score_b"] == pytest.approx(37.5)
+    assert pooled["compression_a"] == pytest.approx(0.55) and pooled["run_a"] == f"{a0} + {a1}"
+    single = [compare_runs(a, b) for a, b in ((a0, b0), (a1, b1))]
+    assert [r["n"] for r in single] == [8, 8] and [r["difference"] for r in single] == [25.0, 25.0]
+    low, high = pooled["interval"]
+    assert low <= 25.0 <= high and high - low < single[0]["interval"][1] - single[0]["interval"][0]
+    assert main(["compare", a0, b0, a1, b1]) == 0
+    out = capsys.readouterr().out
+    assert "pooled over 2 pairs of runs" in out and "| **mean over tasks** | 16 | 62.5 | 37.5 | +25.0" in out
+    # The seed-1 pair swapped: side A would pool threshold -3 with -2.
+    with pytest.raises(ValueError, match="A's runs .* were not answered alike \\(value -3 against -2\\)"):
+        compare_pooled([(a0, b0), (b1, a1)])
+    with pytest.raises(ValueError, match="answered the same samples: pooled pairs must be runs of different"):
+        compare_pooled([(a0, b0), (a0, b0)])
+    with pytest.raises(SystemExit):
+        main(["compare", a0, b0, a1])
+    assert "the last of 3 has no partner" in capsys.readouterr().err
