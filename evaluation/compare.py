@@ -158,7 +158,8 @@ def _check_same_samples(run_a: Path, run_b: Path, keys: set[str]) -> None:
 
 def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
     """:func:`~evaluation.intervals.paired_difference` of two run directories' scores (``A - B``), with each run's
-    mean score and compression ratio over the paired samples, per task and overall (mean over tasks).
+    mean score and compression ratio over the paired samples, per task and overall (mean over tasks), and how
+    many paired samples each run scored higher (``higher_a``, ``higher_b``; overall, their sums).
 
     Raises ValueError when the runs did not answer the same samples: by their sample fingerprints
     (``samples.json``, :func:`evaluation.runner.sample_fingerprints`) where both runs wrote them, else by their
@@ -230,11 +231,16 @@ def compare_pooled(pairs: list[tuple[str | Path, str | Path]]) -> dict[str, Any]
     )
     for task, entry in result["tasks"].items():
         common = sorted(set(by_a[task]) & set(by_b[task]))
+        # How many samples each run scored higher: a difference of a few points is often a handful of samples.
+        entry["higher_a"] = sum(by_a[task][i]["score"] > by_b[task][i]["score"] for i in common)
+        entry["higher_b"] = sum(by_a[task][i]["score"] < by_b[task][i]["score"] for i in common)
         for side, by in (("a", by_a), ("b", by_b)):
             entry[f"score_{side}"] = sum(by[task][i]["score"] for i in common) / len(common)
             entry[f"compression_{side}"] = sum(by[task][i]["compression_ratio"] for i in common) / len(common)
     for key in ("score_a", "score_b", "compression_a", "compression_b"):
         result[key] = sum(t[key] for t in result["tasks"].values()) / len(result["tasks"])
+    for key in ("higher_a", "higher_b"):
+        result[key] = sum(t[key] for t in result["tasks"].values())
     result.update(
         run_a=" + ".join(str(a) for a, _ in pairs),
         run_b=" + ".join(str(b) for _, b in pairs),
@@ -254,7 +260,7 @@ def format_comparison(result: dict[str, Any]) -> str:
         evicted = f"{100 * e['compression_a']:.1f}% | {100 * e['compression_b']:.1f}%"
         return (
             f"| {name} | {e['n']} | {e['score_a']:.1f} | {e['score_b']:.1f} | {e['difference']:+.1f} "
-            f"[{low:+.1f}, {high:+.1f}] | {verdict} | {evicted} |"
+            f"[{low:+.1f}, {high:+.1f}] | {verdict} | {e['higher_a']} / {e['higher_b']} | {evicted} |"
         )
 
     out = [
@@ -262,8 +268,9 @@ def format_comparison(result: dict[str, Any]) -> str:
         f"B: {result['run_b']}" + ("" if result["finished_b"] else " (unfinished)"),
         *([f"pooled over {result['pairs']} pairs of runs (one per seed)"] if result.get("pairs", 1) > 1 else []),
         "",
-        "| task | paired samples | A | B | A - B [95%, paired bootstrap] | | A evicted | B evicted |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | paired samples | A | B | A - B [95%, paired bootstrap] | | samples A / B higher | A evicted "
+        "| B evicted |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     out += [line(task, e) for task, e in result["tasks"].items()]
     out.append(line("**mean over tasks**", result))

@@ -490,7 +490,7 @@ def test_compare_reads_finished_and_unfinished_runs(tmp_path, capsys):
     assert main(["compare", str(a), str(b)]) == 0
     out = capsys.readouterr().out
     assert "(unfinished)" in out and "1 samples answered by one run only" in out
-    assert "| **mean over tasks** | 3 | 100.0 | 66.7 | +33.3" in out and "| 80.0% | 60.0% |" in out
+    assert "| **mean over tasks** | 3 | 100.0 | 66.7 | +33.3" in out and "| 1 / 0 | 80.0% | 60.0% |" in out
     assert main(["compare", str(a), str(b), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["difference"] == pytest.approx(100 / 3) and result["n"] == 3 and not result["finished_b"]
@@ -601,6 +601,7 @@ def test_compare_pools_pairs_of_runs_over_seeds(tmp_path, capsys):
     assert pooled["difference"] == pytest.approx(25.0)
     assert pooled["score_a"] == pytest.approx(62.5) and pooled["score_b"] == pytest.approx(37.5)
     assert pooled["compression_a"] == pytest.approx(0.55) and pooled["run_a"] == f"{a0} + {a1}"
+    assert (pooled["higher_a"], pooled["higher_b"]) == (4, 0) and pooled["tasks"]["t"]["higher_a"] == 2
     single = [compare_runs(a, b) for a, b in ((a0, b0), (a1, b1))]
     assert [r["n"] for r in single] == [8, 8] and [r["difference"] for r in single] == [25.0, 25.0]
     low, high = pooled["interval"]
