@@ -93,13 +93,18 @@ def sample_settings(config: dict[str, Any]) -> dict[str, Any]:
     return {key: config[key] for key in keys if key in config}
 
 
+def _config(run: Path) -> dict[str, Any] | None:
+    """A run directory's ``config.json``, or None when it has none (runs of older versions)."""
+    path = Path(run) / "config.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
 def _differing_settings(run_a: Path, run_b: Path) -> list[str]:
     """The :func:`sample_settings` on which the two runs' ``config.json`` disagree (none when either has none)."""
-    configs = [Path(run) / "config.json" for run in (run_a, run_b)]
-    if not all(path.is_file() for path in configs):
+    config_a, config_b = _config(run_a), _config(run_b)
+    if config_a is None or config_b is None:
         return []
-    settings_a, settings_b = (sample_settings(json.loads(path.read_text(encoding="utf-8"))) for path in configs)
-    return _disagreements(settings_a, settings_b)
+    return _disagreements(sample_settings(config_a), sample_settings(config_b))
 
 
 def _disagreements(settings_a: dict[str, Any], settings_b: dict[str, Any]) -> list[str]:
@@ -120,11 +125,6 @@ def press_settings(config: dict[str, Any]) -> dict[str, Any]:
     """The settings of a run's ``config.json`` that decide what answered its samples (:data:`PRESS_SETTINGS`),
     as far as the config has them."""
     return {key: config[key] for key in PRESS_SETTINGS if key in config}
-
-
-def _config(run: Path) -> dict[str, Any] | None:
-    path = Path(run) / "config.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def _fingerprints(run: Path) -> dict[str, str] | None:
@@ -172,8 +172,10 @@ def _check_pooled(pairs: list[tuple[Path, Path]]) -> None:
     same samples) or mix presses on one side (:func:`press_settings` differ between pairs)."""
     for side, runs in (("A", [a for a, _ in pairs]), ("B", [b for _, b in pairs])):
         configs = [(run, press_settings(config)) for run in runs if (config := _config(run)) is not None]
+        if not configs:
+            continue
+        first, reference = configs[0]
         for run, settings in configs[1:]:
-            first, reference = configs[0]
             differing = _disagreements(reference, settings)
             if differing:
                 raise ValueError(
