@@ -9,17 +9,14 @@ prefill of each needle sample under each surrogate's press (as ``match_eviction.
 """
 
 import argparse
+import importlib.util
 import json
+from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
-import kvzap.pipeline  # noqa: F401  (registers the kv-press-text-generation task)
-from evaluation import ruler
-from evaluation.presses import make_press
-from kvzap.models import resolve_model
-
-TASKS = ["niah_single", "niah_single_text", "niah_multikey", "niah_multiquery", "niah_multiquery_text"]
+# The prefill under a press and the needle samples are match_eviction.py's (a script, not a package: loaded by path).
+_spec = importlib.util.spec_from_file_location("match_eviction", Path(__file__).parents[1] / "match_eviction.py")
+match_eviction = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(match_eviction)
 
 
 def parse_arm(text: str) -> tuple[str, str | None, float]:
@@ -34,20 +31,13 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=2)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--n-samples", type=int, default=40)
-    parser.add_argument("--tasks", nargs="+", default=TASKS)
+    parser.add_argument("--tasks", nargs="+", default=match_eviction.TASKS)
     parser.add_argument("--every", type=int, default=1, help="keep every k-th sample (as match_eviction.py: 4)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    path = resolve_model("smollm2-135m")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
-    samples = [
-        s for task in args.tasks for s in ruler.generate_task(task, tokenizer, args.length, args.n_samples, args.seed)
-    ]
-    samples = samples[:: args.every]
+    pipe = match_eviction.load_pipeline(args.threads)
+    samples = match_eviction.needle_samples(pipe, args.tasks, args.length, args.n_samples, args.seed, args.every)
     arms = [parse_arm(a) for a in args.arms]
     result = {"seed": args.seed, "length": args.length, "every": args.every, "arms": {}, "samples": []}
     for name, surrogate, threshold in arms:
@@ -55,14 +45,7 @@ if __name__ == "__main__":
     for i, sample in enumerate(samples):
         row = {"task": sample["task"], "id": sample["id"], "heads": {}}
         for name, surrogate, threshold in arms:
-            press = make_press("kvzap_mlp", threshold, surrogate=surrogate)
-            pipe(
-                sample["context"],
-                question=sample["question"],
-                answer_prefix=sample["answer_prefix"],
-                press=press,
-                max_new_tokens=1,
-            )
+            press = match_eviction.prefill(pipe, sample, threshold, surrogate)
             row["heads"][name] = [[round(float(v), 5) for v in layer] for layer in press.head_compression_ratios]
         result["samples"].append(row)
         if i % 10 == 0:
