@@ -3,6 +3,8 @@
 Used to find which layers' scores decide a needle result (a bisection over layers). The donor's output bias is
 shifted by ``--donor-shift`` (its threshold minus the base's) so that one press threshold serves both. MLPs of
 different widths are padded to the wider with zero units (a zero unit adds gelu(0) * 0 = 0: the same predictions).
+``--donor-weight W`` below 1 blends instead of replacing: in the named layers the prediction is W * donor + (1 - W) *
+base, exactly (both hidden layers side by side, output weights scaled, as ``train ensemble`` does).
 
     PYTHONPATH=. python train/results/smollm2-135m-ensemble/allocation/hybrid.py --base outputs/ens/HGpref/mlp \\
         --donor kvzap/surrogates/bundled/SmolLM2-135M-Instruct/mlp --donor-shift -0.08 --layers 0-14 --out OUT
@@ -24,6 +26,17 @@ def parse_layers(text: str) -> list[int]:
     return sorted(set(layers))
 
 
+def blended(base: dict, donor: dict, i: int, weight: float, shift: float, width: int) -> dict:
+    def key(part):
+        return f"layers.{i}.{part}"
+
+    w1 = torch.cat([base[key("0.weight")], donor[key("0.weight")]])
+    b1 = torch.cat([base[key("0.bias")], donor[key("0.bias")]])
+    w2 = torch.cat([(1 - weight) * base[key("2.weight")], weight * donor[key("2.weight")]], dim=1)
+    b2 = (1 - weight) * base[key("2.bias")] + weight * (donor[key("2.bias")] + shift)
+    return padded({key("0.weight"): w1, key("0.bias"): b1, key("2.weight"): w2, key("2.bias"): b2}, i, width)
+
+
 def padded(state: dict, i: int, width: int) -> dict:
     w1, b1, w2 = state[f"layers.{i}.0.weight"], state[f"layers.{i}.0.bias"], state[f"layers.{i}.2.weight"]
     extra = width - w1.shape[0]
@@ -40,6 +53,7 @@ if __name__ == "__main__":
     parser.add_argument("--base", required=True)
     parser.add_argument("--donor", required=True)
     parser.add_argument("--donor-shift", type=float, default=0.0)
+    parser.add_argument("--donor-weight", type=float, default=1.0, help="donor's share in its layers (default 1)")
     parser.add_argument("--layers", required=True, help="donor layers, e.g. 0-14 or 3,7,20-22")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -47,18 +61,30 @@ if __name__ == "__main__":
     donor = KVzapSurrogate.from_pretrained(args.donor, local_files_only=True).float()
     if base.hidden_dim is None or donor.hidden_dim is None or base.n_modules != donor.n_modules:
         raise SystemExit("Both surrogates must be MLPs for the same model.")
-    width = max(base.hidden_dim, donor.hidden_dim)
+    if not 0.0 < args.donor_weight <= 1.0:
+        raise SystemExit(f"--donor-weight must be in (0, 1], got {args.donor_weight}.")
+    blend = args.donor_weight < 1.0
+    width = base.hidden_dim + donor.hidden_dim if blend else max(base.hidden_dim, donor.hidden_dim)
     layers = parse_layers(args.layers)
     states = {"base": base.state_dict(), "donor": donor.state_dict()}
     merged = KVzapSurrogate(base.input_dim, base.output_dim, base.n_modules, hidden_dim=width)
     state = {}
     for i in range(base.n_modules):
-        part = padded(states["donor" if i in layers else "base"], i, width)
-        if i in layers:
-            part[f"layers.{i}.2.bias"] = part[f"layers.{i}.2.bias"] + args.donor_shift
+        if blend and i in layers:
+            part = blended(states["base"], states["donor"], i, args.donor_weight, args.donor_shift, width)
+        else:
+            part = padded(states["donor" if i in layers else "base"], i, width)
+            if i in layers:
+                part[f"layers.{i}.2.bias"] = part[f"layers.{i}.2.bias"] + args.donor_shift
         state.update(part)
     merged.load_state_dict(state)
     out = merged.eval().save_pretrained(args.out)
-    record = {"base": args.base, "donor": args.donor, "donor_shift": args.donor_shift, "donor_layers": layers}
+    record = {
+        "base": args.base,
+        "donor": args.donor,
+        "donor_shift": args.donor_shift,
+        "donor_weight": args.donor_weight,
+        "donor_layers": layers,
+    }
     (out / "hybrid.json").write_text(json.dumps(record, indent=2) + "\n")
     print(record)
