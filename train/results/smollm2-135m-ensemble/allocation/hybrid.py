@@ -4,7 +4,7 @@ Used to find which layers' scores decide a needle result (a bisection over layer
 shifted by ``--donor-shift`` (its threshold minus the base's) so that one press threshold serves both. MLPs of
 different widths are padded to the wider with zero units (a zero unit adds gelu(0) * 0 = 0: the same predictions).
 ``--donor-weight W`` below 1 blends instead of replacing: in the named layers the prediction is W * donor + (1 - W) *
-base, exactly (both hidden layers side by side, output weights scaled, as ``train ensemble`` does).
+base, exactly (those layers are taken from ``train.ensemble.average_surrogates`` of the two).
 
     PYTHONPATH=. python train/results/smollm2-135m-ensemble/allocation/hybrid.py --base outputs/ens/HGpref/mlp \\
         --donor kvzap/surrogates/bundled/SmolLM2-135M-Instruct/mlp --donor-shift -0.08 --layers 0-14 --out OUT
@@ -16,6 +16,7 @@ import json
 import torch
 
 from kvzap.surrogates.kvzap_surrogate import KVzapSurrogate
+from train.ensemble import average_surrogates
 
 
 def parse_layers(text: str) -> list[int]:
@@ -24,17 +25,6 @@ def parse_layers(text: str) -> list[int]:
         first, _, last = part.partition("-")
         layers += list(range(int(first), int(last or first) + 1))
     return sorted(set(layers))
-
-
-def blended(base: dict, donor: dict, i: int, weight: float, shift: float, width: int) -> dict:
-    def key(part):
-        return f"layers.{i}.{part}"
-
-    w1 = torch.cat([base[key("0.weight")], donor[key("0.weight")]])
-    b1 = torch.cat([base[key("0.bias")], donor[key("0.bias")]])
-    w2 = torch.cat([(1 - weight) * base[key("2.weight")], weight * donor[key("2.weight")]], dim=1)
-    b2 = (1 - weight) * base[key("2.bias")] + weight * (donor[key("2.bias")] + shift)
-    return padded({key("0.weight"): w1, key("0.bias"): b1, key("2.weight"): w2, key("2.bias"): b2}, i, width)
 
 
 def padded(state: dict, i: int, width: int) -> dict:
@@ -63,20 +53,18 @@ if __name__ == "__main__":
         raise SystemExit("Both surrogates must be MLPs for the same model.")
     if not 0.0 < args.donor_weight <= 1.0:
         raise SystemExit(f"--donor-weight must be in (0, 1], got {args.donor_weight}.")
-    blend = args.donor_weight < 1.0
-    width = base.hidden_dim + donor.hidden_dim if blend else max(base.hidden_dim, donor.hidden_dim)
     layers = parse_layers(args.layers)
+    with torch.no_grad():
+        for module in donor.layers:
+            module[2].bias += args.donor_shift
+    if args.donor_weight < 1.0:  # the donor layers come from the weighted mean of the two
+        donor = average_surrogates([base, donor], weights=[1.0 - args.donor_weight, args.donor_weight])
+    width = max(base.hidden_dim, donor.hidden_dim)
     states = {"base": base.state_dict(), "donor": donor.state_dict()}
     merged = KVzapSurrogate(base.input_dim, base.output_dim, base.n_modules, hidden_dim=width)
     state = {}
     for i in range(base.n_modules):
-        if blend and i in layers:
-            part = blended(states["base"], states["donor"], i, args.donor_weight, args.donor_shift, width)
-        else:
-            part = padded(states["donor" if i in layers else "base"], i, width)
-            if i in layers:
-                part[f"layers.{i}.2.bias"] = part[f"layers.{i}.2.bias"] + args.donor_shift
-        state.update(part)
+        state.update(padded(states["donor" if i in layers else "base"], i, width))
     merged.load_state_dict(state)
     out = merged.eval().save_pretrained(args.out)
     record = {
