@@ -775,6 +775,18 @@ def _summary(prediction: torch.Tensor, target: torch.Tensor, groups: torch.Tenso
 
 
 @torch.no_grad()
+@torch.no_grad()
+def predict_all(surrogate, X: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
+    """``(N, L, H)`` log-scores of ``surrogate`` for ``(N, L, D)`` hidden states of any float dtype, in batches.
+
+    ``batch_size`` rows are copied to float32 at once; default: as many as fit in 256 MiB (about 3,900 rows of
+    SmolLM2-135M's 30 layers; a fixed 65,536 rows took 4.5 GB).
+    """
+    if batch_size is None:
+        batch_size = max(1024, (256 << 20) // (4 * X.shape[1] * X.shape[2]))
+    return torch.cat([surrogate.forward_all(X[i : i + batch_size].float()) for i in range(0, X.shape[0], batch_size)])
+
+
 def evaluate_surrogate(
     surrogate,
     X: torch.Tensor,
@@ -795,8 +807,7 @@ def evaluate_surrogate(
     y : torch.Tensor
         ``(N, L, H)`` held-out log-scores.
     batch_size : int, optional
-        Rows predicted at once (bounds memory: each batch is copied to float32). Default: as many as fit in
-        256 MiB of float32 (about 3,900 rows of SmolLM2-135M's 30 layers; a fixed 65,536 rows took 4.5 GB).
+        Rows predicted at once (see :func:`predict_all`).
     prompt_index : torch.Tensor, optional
         ``(N,)`` prompt of each row: the per-head overlaps rank positions within each prompt (without it, over
         all rows).
@@ -810,11 +821,7 @@ def evaluate_surrogate(
         ``n_pairs``, ``n_prompts``, ``overlap`` (see :func:`kept_overlap`), ``top_recall`` (see
         :func:`top_recall`) and, with ``kinds``, ``per_kind``: kind -> the same keys but ``per_head``.
     """
-    if batch_size is None:
-        batch_size = max(1024, (256 << 20) // (4 * X.shape[1] * X.shape[2]))
-    predictions = torch.cat(
-        [surrogate.forward_all(X[i : i + batch_size].float()) for i in range(0, X.shape[0], batch_size)]
-    )  # (N, L, H)
+    predictions = predict_all(surrogate, X, batch_size)  # (N, L, H)
     y = y.float()
     result = _summary(predictions, y, prompt_index)
     if kinds is not None:

@@ -18,6 +18,7 @@ import torch
 
 from kvzap.surrogates.kvzap_surrogate import KVzapSurrogate
 from train.collect import load_collection
+from train.fit import predict_all
 
 
 def split(text: str) -> tuple[Path, float]:
@@ -25,9 +26,8 @@ def split(text: str) -> tuple[Path, float]:
     return Path(path), float(threshold)
 
 
-@torch.no_grad()
-def scores(surrogate: KVzapSurrogate, X: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    return torch.cat([surrogate.forward_all(X[i : i + chunk].float()) for i in range(0, len(X), chunk)])
+def scores(surrogate: KVzapSurrogate, X: torch.Tensor) -> torch.Tensor:
+    return predict_all(surrogate, X, batch_size=8192)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """How alike surrogates rank the pairs of a collection, layer by layer: for every pair of surrogates, the share of
-one's kept set the other keeps when each head keeps its top ``--keep`` of the pairs (a per-head quantile, so what is
-compared is the ranking, not where the threshold falls), and the same against the KVzip+ targets. Printed per band
-of layers and written as JSON.
+their kept sets in common when each head keeps its top ``--keep`` of the pairs (``train.fit.kept_overlap``'s
+per-head rule, so what is compared is the ranking, not where the threshold falls), and the same against the KVzip+
+targets. Printed per band of layers and written as JSON.
 
     PYTHONPATH=. python train/results/smollm2-135m-ensemble/recipe/agreement.py \\
         --collection outputs/needle_collect/test --out agreement.json \\
@@ -16,26 +16,15 @@ import torch
 
 from kvzap.surrogates.kvzap_surrogate import KVzapSurrogate
 from train.collect import load_collection
+from train.fit import kept_overlap, predict_all
 
 BANDS = {"0-6": range(0, 7), "7-14": range(7, 15), "15-29": range(15, 30)}
 
 
-@torch.no_grad()
-def predict(directory: str, X: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    """``(N, L, H)`` predicted log-scores of the surrogate saved in ``directory``."""
-    surrogate = KVzapSurrogate.from_pretrained(directory).eval()
-    return torch.cat([surrogate.forward_all(X[i : i + chunk].float()) for i in range(0, len(X), chunk)])
-
-
-def kept(scores: torch.Tensor, keep: float) -> torch.Tensor:
-    """Boolean ``(N, L, H)``: the pairs at or above each (layer, head)'s ``1 - keep`` quantile."""
-    cut = torch.quantile(scores.float(), 1.0 - keep, dim=0, keepdim=True)
-    return scores >= cut
-
-
-def overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``(L,)``: per layer, the mean over heads of the share of ``a``'s kept pairs that ``b`` keeps too."""
-    return ((a & b).sum(0).float() / a.sum(0).clamp(min=1).float()).mean(-1)
+def per_layer_overlap(a: torch.Tensor, b: torch.Tensor, keep: float) -> torch.Tensor:
+    """``(L,)``: per layer, the mean over heads of the share of the top ``keep`` pairs of ``a`` and ``b`` in common."""
+    overlap = kept_overlap(a, b, evictions=[1.0 - keep])["per_head"]
+    return torch.tensor(next(iter(overlap.values()))["per_layer"])
 
 
 if __name__ == "__main__":
@@ -47,13 +36,13 @@ if __name__ == "__main__":
     args = parser.parse_args()
     torch.set_num_threads(1)
     X, y, _ = load_collection(args.collection)
-    sets = {"oracle": kept(y, args.keep)}
+    sets = {"oracle": y.float()}
     for item in args.surrogates:
         name, directory = item.split("=", 1)
-        sets[name] = kept(predict(directory, X), args.keep)
+        sets[name] = predict_all(KVzapSurrogate.from_pretrained(directory).eval(), X)
     report = {"collection": args.collection, "keep": args.keep, "n_pairs": int(X.shape[0]), "pairs": {}}
     for a, b in itertools.combinations(sets, 2):
-        per_layer = overlap(sets[a], sets[b])
+        per_layer = per_layer_overlap(sets[a], sets[b], args.keep)
         bands = {band: round(float(per_layer[list(layers)].mean()), 4) for band, layers in BANDS.items()}
         report["pairs"][f"{a}~{b}"] = {"bands": bands, "per_layer": [round(float(v), 4) for v in per_layer]}
         print(f"{a:>8} ~ {b:<8}", "  ".join(f"{band} {value:.3f}" for band, value in bands.items()))
