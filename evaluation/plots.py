@@ -11,6 +11,11 @@ same numbers, one column per bound). Runs written before intervals were recorded
 the weights it read: a run with other weights than the surrogate bundled now is a series of its own, named
 ``press (surrogate directory)`` or ``press (earlier bundled)`` (:func:`_label_weights`): the same press with two
 surrogates is never drawn as one line nor ranked as one press, and runs of the same weights share one line.
+
+Runs of one setting that differ only in their samples (``--seed 0``, ``--seed 1``, ...) are pooled into one row
+(:func:`pool_seeds`): its scores, intervals and compression are those of all their samples, and its paired
+difference from the full cache pairs each seed's run with the full cache's run of the same samples. ``--per-run``
+keeps one row per run directory.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "collect_results",
+    "pool_seeds",
     "summary_table",
     "summary_rows",
     "paired_vs_full_cache",
@@ -45,13 +51,20 @@ __all__ = [
 ]
 
 
-def collect_results(results_dir: str | os.PathLike) -> list[dict[str, Any]]:
+def collect_results(results_dir: str | os.PathLike, pool: bool = True) -> list[dict[str, Any]]:
     """Load every run's ``metrics.json`` below ``results_dir``.
+
+    Parameters
+    ----------
+    results_dir : directory searched recursively.
+    pool : pool the runs of one setting that answered different samples (one per seed) into one result
+        (:func:`pool_seeds`); False keeps one result per run directory.
 
     Returns
     -------
-    list of dict (the metrics, with ``run_dir`` and ``paired_vs_full_cache`` (:func:`paired_vs_full_cache`)
-    added), sorted by model, dataset, length, press and compression ratio.
+    list of dict (the metrics, with ``run_dir``, ``runs`` (the run directories behind the result: one, or the
+    pooled seeds'), ``seeds`` and ``paired_vs_full_cache`` (:func:`paired_vs_full_cache`) added), sorted by model,
+    dataset, length, press and compression ratio.
     """
     root = Path(results_dir)
     if not root.is_dir():
@@ -64,13 +77,117 @@ def collect_results(results_dir: str | os.PathLike) -> list[dict[str, Any]]:
         for key in ("surrogate", "surrogate_weights"):  # runs written before metrics.json recorded them
             if key not in metrics:
                 metrics[key] = record.get(key)
-        results.append(_with_task_compression(_with_intervals({**metrics, "run_dir": str(path.parent)})))
+        run = _with_task_compression(_with_intervals({**metrics, "run_dir": str(path.parent)}))
+        run.update(runs=[str(path.parent)], seeds=[record["seed"]] if record.get("seed") is not None else [])
+        results.append(run)
     _label_weights(results)
-    full = _full_cache_runs(results)
+    if pool:
+        results = pool_seeds(results)
+    fulls: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in results:
+        if r["press"] == "no_press":
+            fulls[_panel(r)].append(r)
     for r in results:  # read each run's predictions once, for the table and the CSV
-        r["paired_vs_full_cache"] = paired_vs_full_cache(r, full.get(_panel(r)))
+        r["paired_vs_full_cache"] = paired_vs_full_cache(r, fulls.get(_panel(r)))
     results.sort(key=lambda r: (*_panel(r), _series(r), r["compression_ratio"]))
     return results
+
+
+#: ``config.json`` settings that only choose which samples a run answers (or where it was written): runs that
+#: differ in nothing else are one setting, measured on several seeds' samples.
+_SAMPLE_ONLY = frozenset({"seed", "n_samples", "fraction", "shards", "sweep", "surrogate"})
+
+
+def _config_of(run_dir: str) -> dict[str, Any] | None:
+    path = Path(run_dir) / "config.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _sample_identity(run_dir: str) -> str | None:
+    """What a run's samples are, as a string two runs share exactly when they answered the same samples: the
+    content hashes of its ``samples.json``, else the :func:`~evaluation.compare.sample_settings` of its generated
+    samples; None when the run records neither (a Hub dataset's run of an older version)."""
+    from .compare import sample_settings
+
+    fingerprints = Path(run_dir) / "samples.json"
+    if fingerprints.is_file():
+        return json.dumps(sorted(json.loads(fingerprints.read_text(encoding="utf-8")).items()))
+    config = _config_of(run_dir)
+    if config is not None and config.get("source") is None:
+        return json.dumps(sorted(sample_settings(config).items()), default=str)
+    return None
+
+
+def _setting_key(run: dict[str, Any]) -> str | None:
+    """The setting a run measured, whatever its samples: its line (:func:`_series`) and every ``config.json``
+    setting but those of :data:`_SAMPLE_ONLY`; None for a run without ``config.json`` (never pooled)."""
+    config = _config_of(run["run_dir"])
+    if config is None:
+        return None
+    setting = {k: v for k, v in config.items() if k not in _SAMPLE_ONLY}
+    return json.dumps([_series(run), setting], sort_keys=True, default=str)
+
+
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from the runs of one setting on different samples: every score, interval and compression ratio
+    recomputed over all their samples (``predictions.csv``), as one run of all of them would have written."""
+    from .compare import read_run
+
+    scores: dict[str, list[float]] = defaultdict(list)
+    rows: list[dict[str, Any]] = []
+    for run in runs:
+        for row in read_run(run["run_dir"])[0]:
+            scores[row["task"]].append(row["score"])
+            rows.append(row)
+    tasks = [t for t in runs[0]["tasks"] if t in scores]
+    pooled = {key: value for key, value in runs[0].items() if key not in ("weights_label",)}
+    pooled.update(
+        tasks={t: sum(scores[t]) / len(scores[t]) for t in tasks},
+        tasks_n={t: len(scores[t]) for t in tasks},
+        n_predictions=len(rows),
+        compression_ratio=sum(r["compression_ratio"] for r in rows) / len(rows),
+        tasks_compression_ratio=task_compression(rows, tasks),
+        runs=[run["run_dir"] for run in runs],
+        seeds=sorted(seed for run in runs for seed in run.get("seeds", [])),
+    )
+    pooled["score"] = sum(pooled["tasks"].values()) / len(tasks)
+    pooled.update(run_intervals({t: scores[t] for t in tasks}))
+    if runs[0].get("weights_label"):
+        pooled["weights_label"] = runs[0]["weights_label"]
+    return pooled
+
+
+def pool_seeds(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pool the runs of one setting measured on different samples (``--seed 0``, ``--seed 1``, ...) into one result.
+
+    Runs are one setting when their line (:func:`_series`) and every ``config.json`` setting but those that only
+    choose samples (:data:`_SAMPLE_ONLY`: seed, sample count, shards, ...) agree. They are pooled only when each
+    has its ``predictions.csv`` and all answered different samples (:func:`_sample_identity`); two runs of the
+    same samples (a rerun) stay apart, as do runs without a ``config.json``. A pooled result's scores, intervals
+    and compression are those of all its samples (:func:`_pooled`), ``runs`` lists its run directories and
+    ``seeds`` their seeds; ``run_dir`` is the first one's.
+    """
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    out = []
+    for run in results:
+        key = _setting_key(run)
+        if key is None:
+            out.append(run)
+        else:
+            groups[key].append(run)
+    for runs in groups.values():
+        identities = [_sample_identity(run["run_dir"]) for run in runs]
+        poolable = (
+            len(runs) > 1
+            and None not in identities
+            and len(set(identities)) == len(runs)
+            and all((Path(run["run_dir"]) / "predictions.csv").is_file() for run in runs)
+        )
+        if poolable:
+            out.append(_pooled(sorted(runs, key=lambda r: (r.get("seeds") or [0], r["run_dir"]))))
+        else:
+            out.extend(runs)
+    return out
 
 
 def _label_weights(results: list[dict[str, Any]]) -> None:
@@ -237,18 +354,35 @@ def compare_to_full_cache(result: dict[str, Any], full: dict[str, Any] | None) -
 def paired_vs_full_cache(result: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any] | None:
     """The paired difference of a run's score and the full cache's (:func:`evaluation.compare.compare_runs`: both
     runs' per-sample scores, matched by task and id), or None for the full cache itself, a panel without one, or
-    runs without per-sample predictions.
+    runs without per-sample predictions. ``full`` is the full cache's result of the panel, or a list of them (its
+    runs on several seeds, kept apart): each of the result's runs (one, or its seeds' when it was pooled by
+    :func:`pool_seeds`) is paired with the full cache's run of the same samples, and the pairs are pooled
+    (:func:`evaluation.compare.compare_pooled`); None when one of its runs has no full-cache run of its samples.
 
     Returns
     -------
     ``{"difference", "interval", "n"}``, in points; a loss is resolved when the interval's upper end is below 0.
     """
-    if full is None or result is full or result["press"] == "no_press":
+    fulls = [] if full is None else full if isinstance(full, list) else [full]
+    if not fulls or any(result is f for f in fulls) or result["press"] == "no_press":
         return None
-    from .compare import compare_runs
+    from .compare import compare_pooled
 
+    runs = result.get("runs") or [result["run_dir"]]
+    full_runs = [run for f in fulls for run in f.get("runs") or [f["run_dir"]]]
+    if len(runs) == 1 and len(full_runs) == 1:
+        pairs = [(runs[0], full_runs[0])]  # compare_pooled refuses them if they answered different samples
+    else:  # each seed's run against the full cache's run of the same samples
+        partners: dict[str, str] = {}
+        for run in full_runs:
+            identity = _sample_identity(run)
+            if identity is not None:
+                partners.setdefault(identity, run)
+        pairs = [(run, partners.get(_sample_identity(run) or "")) for run in runs]
+        if any(partner is None for _, partner in pairs):
+            return None
     try:
-        paired = compare_runs(result["run_dir"], full["run_dir"])
+        paired = compare_pooled(pairs)
     except (FileNotFoundError, ValueError):
         return None
     return {"difference": paired["difference"], "interval": paired["interval"], "n": paired["n"]}
@@ -295,9 +429,10 @@ def highest_compression_inside(results: list[dict[str, Any]]) -> dict[tuple[str,
 
 
 def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One flat record per run (the rows of ``summary.csv``): its settings, compression, score, each task's score,
-    every 95% interval as ``<name>_low`` / ``<name>_high`` (empty without one) and the comparison with the full
-    cache (:func:`compare_to_full_cache`)."""
+    """One flat record per result (the rows of ``summary.csv``: a run, or a setting's runs pooled over seeds): its
+    settings, seeds (space-separated) and number of runs, compression, score, each task's score, every 95% interval
+    as ``<name>_low`` / ``<name>_high`` (empty without one) and the comparison with the full cache
+    (:func:`compare_to_full_cache`)."""
     tasks = sorted({task for r in results for task in r["tasks"]})
     full = _full_cache_runs(results)
     rows = []
@@ -311,6 +446,8 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "surrogate_weights": r.get("surrogate_weights"),
             "knob": r.get("knob"),
             "value": r.get("value"),
+            "seeds": " ".join(str(seed) for seed in r.get("seeds") or []),
+            "runs": len(r.get("runs") or [r["run_dir"]]),
             "compression_ratio": r["compression_ratio"],
             "n_predictions": r.get("n_predictions"),
         }
@@ -332,7 +469,8 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def summary_table(results: list[dict[str, Any]]) -> str:
-    """A markdown table: model, length, press, parameter, compression ratio, mean score and one column per task,
+    """A markdown table: model, length, press, parameter, seeds (those pooled into the row, :func:`pool_seeds`),
+    compression ratio, mean score and one column per task,
     each score with its 95% interval (``54.0 [41.2, 66.3]``), where the score lies against the full cache's
     interval, and the paired difference from the full cache (``-2.1 [-6.0, +1.5] not resolved``: the runs'
     per-sample differences bootstrapped, :func:`paired_vs_full_cache`); then, per panel, the highest compression
@@ -345,6 +483,7 @@ def summary_table(results: list[dict[str, Any]]) -> str:
         "length",
         "press",
         "parameter",
+        "seeds",
         "compression",
         "score",
         "vs full cache",
@@ -360,6 +499,7 @@ def summary_table(results: list[dict[str, Any]]) -> str:
             "-" if r.get("length") is None else str(r["length"]),
             _series(r),
             _value_label(r),
+            ", ".join(str(seed) for seed in r.get("seeds") or []) or "-",
             f"{r['compression_ratio']:.3f}",
             _with_ci(r["score"], r.get("score_ci"), 2),
             compare_to_full_cache(r, full.get(_panel(r))),
@@ -517,20 +657,23 @@ def plot_tasks(results: list[dict[str, Any]], path: str | os.PathLike) -> Path:
     return path
 
 
-def summarize(results_dir: str | os.PathLike, output_dir: str | os.PathLike | None = None) -> dict[str, Path]:
+def summarize(
+    results_dir: str | os.PathLike, output_dir: str | os.PathLike | None = None, pool: bool = True
+) -> dict[str, Path]:
     """Write ``accuracy_vs_compression.png``, ``summary.md`` and ``summary.csv`` for the runs below ``results_dir``.
 
     Parameters
     ----------
     results_dir : directory searched recursively for ``metrics.json`` files.
     output_dir : where to write the two files (default: ``results_dir``).
+    pool : one row per setting, its seeds pooled (:func:`pool_seeds`); False: one row per run directory.
 
     Returns
     -------
     dict with the paths written, keys ``"plot"``, ``"tasks_plot"`` (:func:`plot_tasks`), ``"table"`` and
     ``"csv"``.
     """
-    results = collect_results(results_dir)
+    results = collect_results(results_dir, pool=pool)
     if not results:
         raise FileNotFoundError(f"No finished runs (metrics.json) below {results_dir}.")
     out = Path(output_dir) if output_dir is not None else Path(results_dir)
@@ -545,15 +688,20 @@ def summarize(results_dir: str | os.PathLike, output_dir: str | os.PathLike | No
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m evaluation plot") -> int:
-    """``python -m evaluation plot --results-dir DIR [--output-dir OUT]``; prints the table."""
+    """``python -m evaluation plot --results-dir DIR [--output-dir OUT] [--per-run]``; prints the table."""
     import sys
 
     parser = argparse.ArgumentParser(prog=prog, description=summarize.__doc__.split("\n")[0])
     parser.add_argument("--results-dir", required=True)
     parser.add_argument("--output-dir", default=None)
+    parser.add_argument(
+        "--per-run",
+        action="store_true",
+        help="one row per run directory (default: the runs of one setting on different seeds pooled into one row)",
+    )
     args = parser.parse_args(argv)
     try:
-        paths = summarize(args.results_dir, args.output_dir)
+        paths = summarize(args.results_dir, args.output_dir, pool=not args.per_run)
     except FileNotFoundError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

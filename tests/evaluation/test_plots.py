@@ -83,9 +83,12 @@ def test_table_csv_and_error_bars(sweep, tmp_path, monkeypatch):
     assert mlp[1] == [0.4, 0.6, 0.7, 0.85] and mlp[3] == [[10.0, 10.0, 10.0, 8.0], [10.0, 10.0, 10.0, 10.0]]
 
     table = paths["table"].read_text()
-    assert "| m | ruler_offline | 2048 | no_press | - | 0.000 | 50.00 [40.0, 60.0] |  |  | 50.0 [40.0, 60.0] |" in table
+    assert (
+        "| m | ruler_offline | 2048 | no_press | - | - | 0.000 | 50.00 [40.0, 60.0] |  |  | 50.0 [40.0, 60.0] |"
+        in table
+    )
     # No predictions.csv in these runs: no paired difference.
-    assert "| kvzap_mlp | tau=-3 | 0.850 | 20.00 [12.0, 30.0] | below, intervals disjoint |  |" in table
+    assert "| kvzap_mlp | tau=-3 | - | 0.850 | 20.00 [12.0, 30.0] | below, intervals disjoint |  |" in table
     assert "- m, ruler_offline, 2048 tokens: kvzap_mlp 0.600 (tau=-5), kvzip_plus_threshold none" in table
 
     with paths["csv"].open(newline="") as handle:
@@ -183,7 +186,7 @@ def test_a_press_with_another_surrogate_is_a_series_of_its_own(sweep, tmp_path, 
     paths = summarize(sweep, tmp_path / "out")
     assert dict(bars)["kvzap_mlp"] == [0.4, 0.6, 0.7, 0.85] and dict(bars)[series] == [0.6, 0.85]
     table = paths["table"].read_text()
-    assert f"| {series} | tau=-3 | 0.850 | 48.00 [38.0, 58.0] | inside |" in table
+    assert f"| {series} | tau=-3 | - | 0.850 | 48.00 [38.0, 58.0] | inside |" in table
     assert f"{series} 0.850 (tau=-3)" in table
     with paths["csv"].open(newline="") as handle:
         surrogates = {r["surrogate"] for r in csv.DictReader(handle) if r["press"] == "kvzap_mlp"}
@@ -302,3 +305,108 @@ def test_runs_of_the_same_weights_share_one_line(tmp_path):
     }
     # One set of weights per line: no run needs its fingerprint to tell it apart.
     assert all(r.get("weights_label") is None for r in results)
+
+
+def _write_seed_run(root, name, press, seed, scores, compression, value=None, samples_of=None, **config):
+    """A finished run as the runner writes it: config.json (its seed), samples.json (one content hash per sample,
+    drawn from ``samples_of`` or the seed), predictions.csv (``scores``: task -> per-sample scores) and
+    metrics.json (those scores' means)."""
+    run = root / name
+    run.mkdir(parents=True)
+    knob = None if press == "no_press" else "threshold"
+    settings = {"model": "m", "dataset": "ruler_offline", "source": None, "press": press, "knob": knob}
+    settings.update(value=value, length=2048, tasks=sorted(scores), seed=seed, haystack="h", n_samples=40)
+    settings.update(sweep={"seed": seed, "output_dir": str(root)}, **config)
+    (run / "config.json").write_text(json.dumps(settings))
+    content = seed if samples_of is None else samples_of
+    ids = {f"{t}/{i}": f"{t}-{i}-seed{content}" for t, values in scores.items() for i in range(len(values))}
+    (run / "samples.json").write_text(json.dumps(ids))
+    with (run / "predictions.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["task", "id", "prediction", "answers", "score", "compression_ratio", "n_tokens"])
+        for task, values in scores.items():
+            for i, score in enumerate(values):
+                writer.writerow([task, i, "x", "[]", score, compression[task], 100])
+    tasks = {t: sum(v) / len(v) for t, v in scores.items()}
+    metrics = {"model": "m", "dataset": "ruler_offline", "length": 2048, "press": press, "knob": knob}
+    metrics.update(value=value, score=sum(tasks.values()) / len(tasks), tasks=tasks)
+    n = sum(len(v) for v in scores.values())
+    metrics["compression_ratio"] = sum(compression[t] * len(v) for t, v in scores.items()) / n
+    metrics.update(run_intervals(scores))
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    return run
+
+
+@pytest.fixture
+def seeds(tmp_path):
+    """The full cache and KVzap at tau -3 on two seeds' samples; a third seed for KVzap only."""
+    root = tmp_path / "runs"
+    full = {0: ([100.0] * 30 + [0.0] * 10, [100.0] * 10 + [0.0] * 10), 1: ([100.0] * 20 + [0.0] * 20, [100.0] * 20)}
+    press = {0: ([100.0] * 25 + [0.0] * 15, [100.0] * 8 + [0.0] * 12), 1: ([100.0] * 20 + [0.0] * 20, [0.0] * 20)}
+    for seed in (0, 1):
+        scores = dict(zip(("a", "b"), full[seed], strict=True))
+        _write_seed_run(root, f"full{seed}", "no_press", seed, scores, {"a": 0.0, "b": 0.0})
+        scores = dict(zip(("a", "b"), press[seed], strict=True))
+        _write_seed_run(root, f"mlp{seed}", "kvzap_mlp", seed, scores, {"a": 0.7, "b": 0.8}, -3.0)
+    return root, full, press
+
+
+def test_runs_of_one_setting_on_several_seeds_are_pooled(seeds, tmp_path):
+    root, full, press = seeds
+    results = collect_results(root)
+    assert len(results) == 2  # one row per setting, not per run
+    mlp = next(r for r in results if r["press"] == "kvzap_mlp")
+    assert mlp["seeds"] == [0, 1] and len(mlp["runs"]) == 2 and mlp["n_predictions"] == 120
+    # Each task's score is the mean of all its samples over both seeds; the run's, the mean of the tasks.
+    a, b = press[0][0] + press[1][0], press[0][1] + press[1][1]
+    assert mlp["tasks"] == {"a": pytest.approx(sum(a) / 80), "b": pytest.approx(sum(b) / 40)}
+    assert mlp["score"] == pytest.approx((sum(a) / 80 + sum(b) / 40) / 2)
+    assert mlp["compression_ratio"] == pytest.approx((0.7 * 80 + 0.8 * 40) / 120)
+    assert mlp["tasks_compression_ratio"] == {"a": pytest.approx(0.7), "b": pytest.approx(0.8)}
+    assert mlp["score_ci"] == pytest.approx(run_intervals({"a": a, "b": b})["score_ci"])
+    # The paired difference pairs each seed's run with the full cache of its seed, the pairs pooled: over both
+    # seeds, task a loses 5 of 80 and task b gains 0 and loses 2 + 20 of 40: the mean over tasks is the mean of those.
+    paired = mlp["paired_vs_full_cache"]
+    assert paired["n"] == 120
+    assert paired["difference"] == pytest.approx((-5 * 100 / 80 + -22 * 100 / 40) / 2)
+    # One run per seed alone would be a different (smaller) comparison: the pooled one is not seed 0's.
+    alone = collect_results(root, pool=False)
+    assert len(alone) == 4 and all(len(r["runs"]) == 1 for r in alone)
+    seed0 = next(r for r in alone if r["run_dir"].endswith("mlp0"))
+    assert seed0["paired_vs_full_cache"]["n"] == 60
+    assert seed0["paired_vs_full_cache"]["difference"] == pytest.approx((-5 * 100 / 40 + -2 * 100 / 20) / 2)
+
+    paths = summarize(root, tmp_path / "out")
+    table = paths["table"].read_text()
+    assert "| kvzap_mlp | tau=-3 | 0, 1 | 0.733 |" in table
+    with paths["csv"].open(newline="") as handle:
+        (row,) = [r for r in csv.DictReader(handle) if r["press"] == "kvzap_mlp"]
+    assert (row["seeds"], row["runs"], row["n_predictions"]) == ("0 1", "2", "120")
+    from evaluation.plots import main
+
+    assert main(["--results-dir", str(root), "--output-dir", str(tmp_path / "per_run"), "--per-run"]) == 0
+    assert "| kvzap_mlp | tau=-3 | 1 |" in (tmp_path / "per_run" / "summary.md").read_text()
+
+
+def test_a_seed_without_its_full_cache_leaves_the_pooled_row_unpaired(seeds):
+    root, _, _ = seeds
+    _write_seed_run(root, "mlp2", "kvzap_mlp", 2, {"a": [100.0] * 40, "b": [0.0] * 20}, {"a": 0.7, "b": 0.8}, -3.0)
+    mlp = next(r for r in collect_results(root) if r["press"] == "kvzap_mlp")
+    assert mlp["seeds"] == [0, 1, 2] and mlp["n_predictions"] == 180
+    assert mlp["paired_vs_full_cache"] is None  # seed 2 has no full-cache run to pair with
+
+
+def test_runs_of_the_same_samples_or_of_other_settings_are_not_pooled(seeds):
+    root, _, _ = seeds
+    # A rerun of seed 0 (same samples): pooling would count them twice.
+    _write_seed_run(root, "mlp0_again", "kvzap_mlp", 0, {"a": [0.0] * 40, "b": [0.0] * 20}, {"a": 0.7, "b": 0.8}, -3.0)
+    assert sum(r["press"] == "kvzap_mlp" for r in collect_results(root)) == 3
+    root2 = root.parent / "runs2"
+    # Another window: a different setting, on the same seeds or not.
+    for seed, window in ((0, 128), (1, 64)):
+        scores = {"a": [100.0] * 40, "b": [0.0] * 20}
+        _write_seed_run(
+            root2, f"w{seed}", "kvzap_mlp", seed, scores, {"a": 0.7, "b": 0.8}, -3.0, sliding_window_size=window
+        )
+    results = collect_results(root2)
+    assert len(results) == 2 and all(r["seeds"] in ([0], [1]) for r in results)
