@@ -27,7 +27,7 @@ import json
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -331,7 +331,7 @@ def _with_ci(value: float, interval: list[float] | None, digits: int) -> str:
 
 
 def compare_to_full_cache(result: dict[str, Any], full: dict[str, Any] | None) -> str:
-    """Where a run's score lies against the full cache's run of its panel.
+    """Where a run's score lies against the full cache's run of its panel (on the same tasks: :func:`_full_cache_runs`).
 
     Returns
     -------
@@ -396,8 +396,21 @@ def _paired_label(paired: dict[str, Any] | None) -> str:
     return f"{paired['difference']:+.1f} [{low:+.1f}, {high:+.1f}] {verdict}"
 
 
-def _full_cache_runs(results: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
-    return {_panel(r): r for r in results if r["press"] == "no_press"}
+def _full_cache_runs(results: list[dict[str, Any]]) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
+    """The full cache's result each result is compared with (a function of the result): the full cache of its panel
+    on the same tasks (a full cache run on other tasks has another mean over tasks), the one sharing most of its
+    seeds where there are several; None where the panel has none on its tasks."""
+    fulls: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in results:
+        if r["press"] == "no_press":
+            fulls[_panel(r)].append(r)
+
+    def full_of(result: dict[str, Any]) -> dict[str, Any] | None:
+        same = [f for f in fulls.get(_panel(result), []) if set(f["tasks"]) == set(result["tasks"])]
+        seeds = set(result.get("seeds") or [])
+        return max(same, key=lambda f: len(seeds & set(f.get("seeds") or [])), default=None)
+
+    return full_of
 
 
 def highest_compression_inside(results: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
@@ -412,16 +425,16 @@ def highest_compression_inside(results: list[dict[str, Any]]) -> dict[tuple[str,
     its lowest-compression run is already outside}; panels without a full-cache run (or without intervals) are
     left out.
     """
-    full = _full_cache_runs(results)
+    full_of = _full_cache_runs(results)
     found: dict[tuple[str, str, int], dict[str, Any]] = defaultdict(dict)
     by_press: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in results:
-        if r["press"] != "no_press" and _panel(r) in full and full[_panel(r)].get("score_ci"):
+        if r["press"] != "no_press" and (full := full_of(r)) is not None and full.get("score_ci"):
             by_press[(_panel(r), _series(r))].append(r)
     for (panel, press), runs in sorted(by_press.items()):
         best = None
         for r in sorted(runs, key=lambda r: r["compression_ratio"]):
-            if compare_to_full_cache(r, full[panel]) != "inside":
+            if compare_to_full_cache(r, full_of(r)) != "inside":
                 break
             best = r
         found[panel][press] = best
@@ -434,7 +447,7 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     as ``<name>_low`` / ``<name>_high`` (empty without one) and the comparison with the full cache
     (:func:`compare_to_full_cache`)."""
     tasks = sorted({task for r in results for task in r["tasks"]})
-    full = _full_cache_runs(results)
+    full_of = _full_cache_runs(results)
     rows = []
     for r in results:
         row: dict[str, Any] = {
@@ -458,7 +471,7 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{name}_low"], row[f"{name}_high"] = intervals[name] or (None, None)
         for task in tasks:
             row[f"{task}_compression_ratio"] = (r.get("tasks_compression_ratio") or {}).get(task)
-        row["vs_full_cache"] = compare_to_full_cache(r, full.get(_panel(r)))
+        row["vs_full_cache"] = compare_to_full_cache(r, full_of(r))
         paired = r.get("paired_vs_full_cache")
         row["paired_difference"] = None if paired is None else paired["difference"]
         row["paired_difference_low"], row["paired_difference_high"] = (
@@ -476,7 +489,7 @@ def summary_table(results: list[dict[str, Any]]) -> str:
     per-sample differences bootstrapped, :func:`paired_vs_full_cache`); then, per panel, the highest compression
     each press reaches inside that interval."""
     tasks = sorted({task for r in results for task in r["tasks"]})
-    full = _full_cache_runs(results)
+    full_of = _full_cache_runs(results)
     header = [
         "model",
         "dataset",
@@ -502,7 +515,7 @@ def summary_table(results: list[dict[str, Any]]) -> str:
             ", ".join(str(seed) for seed in r.get("seeds") or []) or "-",
             f"{r['compression_ratio']:.3f}",
             _with_ci(r["score"], r.get("score_ci"), 2),
-            compare_to_full_cache(r, full.get(_panel(r))),
+            compare_to_full_cache(r, full_of(r)),
             _paired_label(r.get("paired_vs_full_cache")),
             *(_with_ci(r["tasks"][t], task_ci.get(t), 1) if t in r["tasks"] else "" for t in tasks),
         ]
@@ -564,8 +577,9 @@ def plot_results(results: list[dict[str, Any]], path: str | os.PathLike) -> Path
             by_press[_series(r)].append(r)
         for press, runs in sorted(by_press.items()):
             runs = sorted(runs, key=lambda r: r["compression_ratio"])
-            if press == "no_press":
-                full = runs[0]
+            if press == "no_press":  # the full cache on the tasks most of the panel's runs answered
+                others = [set(r["tasks"]) for r in panels[key] if r["press"] != "no_press"]
+                full = max(runs, key=lambda f: sum(set(f["tasks"]) == tasks for tasks in others))
                 ax.axhline(full["score"], color="black", linestyle="--", linewidth=1, label="full cache")
                 if full.get("score_ci"):
                     ax.axhspan(*full["score_ci"], color="black", alpha=0.08, linewidth=0)

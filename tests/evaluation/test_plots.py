@@ -410,3 +410,23 @@ def test_runs_of_the_same_samples_or_of_other_settings_are_not_pooled(seeds):
         )
     results = collect_results(root2)
     assert len(results) == 2 and all(r["seeds"] in ([0], [1]) for r in results)
+
+
+def test_a_full_cache_on_other_tasks_is_not_the_reference(seeds, tmp_path):
+    # A probe of the full cache on more tasks (another mean over tasks) in the same panel: each row is compared with
+    # the full cache of its own tasks, wherever the probe sorts.
+    root, _, _ = seeds
+    probe = {"a": [0.0] * 10, "b": [0.0] * 10, "c": [0.0] * 10}  # scores 0: every press row would be "above" it
+    for seed in (0, 1):
+        _write_seed_run(root, f"probe{seed}", "no_press", seed, probe, {"a": 0.0, "b": 0.0, "c": 0.0}, n_samples=10)
+    results = collect_results(root)
+    assert sum(r["press"] == "no_press" for r in results) == 2
+    mlp = next(r for r in results if r["press"] == "kvzap_mlp")
+    full = next(r for r in results if r["press"] == "no_press" and set(r["tasks"]) == {"a", "b"})
+    table = summarize(root, tmp_path / "out")["table"].read_text()
+    row = next(line for line in table.splitlines() if "| kvzap_mlp |" in line)
+    assert compare_to_full_cache(mlp, full) == "below, intervals disjoint"
+    assert "| below, intervals disjoint |" in row
+    assert highest_compression_inside(results)[("m", "ruler_offline", 2048)]["kvzap_mlp"] is (
+        mlp if compare_to_full_cache(mlp, full) == "inside" else None
+    )
