@@ -87,8 +87,9 @@ def collect_results(results_dir: str | os.PathLike, pool: bool = True) -> list[d
     for r in results:
         if r["press"] == "no_press":
             fulls[_panel(r)].append(r)
-    for r in results:  # read each run's predictions once, for the table and the CSV
-        r["paired_vs_full_cache"] = paired_vs_full_cache(r, fulls.get(_panel(r)))
+    for r in results:  # read each run's predictions once, for the table and the CSV; the full cache of its tasks
+        same = [f for f in fulls.get(_panel(r), []) if set(f["tasks"]) == set(r["tasks"])]
+        r["paired_vs_full_cache"] = paired_vs_full_cache(r, same or None)
     results.sort(key=lambda r: (*_panel(r), _series(r), r["compression_ratio"]))
     return results
 

@@ -426,6 +426,7 @@ def test_a_full_cache_on_other_tasks_is_not_the_reference(seeds, tmp_path):
     table = summarize(root, tmp_path / "out")["table"].read_text()
     row = next(line for line in table.splitlines() if "| kvzap_mlp |" in line)
     assert compare_to_full_cache(mlp, full) == "below, intervals disjoint"
+    assert mlp["paired_vs_full_cache"]["n"] == 120  # paired with the full cache of its tasks, seed by seed
     assert "| below, intervals disjoint |" in row
     assert highest_compression_inside(results)[("m", "ruler_offline", 2048)]["kvzap_mlp"] is (
         mlp if compare_to_full_cache(mlp, full) == "inside" else None
