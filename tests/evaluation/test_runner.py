@@ -410,7 +410,7 @@ def test_plot_panels_per_dataset_and_datasets_without_length(tmp_path):
         (("m", "longbench", -1), "no_press"),
         (("m", "ruler_offline", 2048), "no_press"),
     ]
-    assert "| m | longbench | - | kvzap_mlp | tau=-4 | 0.500 |" in summary_table(results)
+    assert "| m | longbench | - | kvzap_mlp | tau=-4 | - | 0.500 |" in summary_table(results)
     paths = summarize(tmp_path, tmp_path / "out")  # two panels, no crash on the missing length
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
