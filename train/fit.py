@@ -775,7 +775,6 @@ def _summary(prediction: torch.Tensor, target: torch.Tensor, groups: torch.Tenso
 
 
 @torch.no_grad()
-@torch.no_grad()
 def predict_all(surrogate, X: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
     """``(N, L, H)`` log-scores of ``surrogate`` for ``(N, L, D)`` hidden states of any float dtype, in batches.
 
@@ -787,6 +786,7 @@ def predict_all(surrogate, X: torch.Tensor, batch_size: int | None = None) -> to
     return torch.cat([surrogate.forward_all(X[i : i + batch_size].float()) for i in range(0, X.shape[0], batch_size)])
 
 
+@torch.no_grad()
 def evaluate_surrogate(
     surrogate,
     X: torch.Tensor,
