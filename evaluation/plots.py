@@ -83,13 +83,9 @@ def collect_results(results_dir: str | os.PathLike, pool: bool = True) -> list[d
     _label_weights(results)
     if pool:
         results = pool_seeds(results)
-    fulls: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
-    for r in results:
-        if r["press"] == "no_press":
-            fulls[_panel(r)].append(r)
-    for r in results:  # read each run's predictions once, for the table and the CSV; the full cache of its tasks
-        same = [f for f in fulls.get(_panel(r), []) if set(f["tasks"]) == set(r["tasks"])]
-        r["paired_vs_full_cache"] = paired_vs_full_cache(r, same or None)
+    on_its_tasks = _full_caches_on_tasks(results)
+    for r in results:  # read each run's predictions once, for the table and the CSV
+        r["paired_vs_full_cache"] = paired_vs_full_cache(r, on_its_tasks(r) or None)
     results.sort(key=lambda r: (*_panel(r), _series(r), r["compression_ratio"]))
     return results
 
@@ -99,21 +95,16 @@ def collect_results(results_dir: str | os.PathLike, pool: bool = True) -> list[d
 _SAMPLE_ONLY = frozenset({"seed", "n_samples", "fraction", "shards", "sweep", "surrogate"})
 
 
-def _config_of(run_dir: str) -> dict[str, Any] | None:
-    path = Path(run_dir) / "config.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-
-
 def _sample_identity(run_dir: str) -> str | None:
     """What a run's samples are, as a string two runs share exactly when they answered the same samples: the
     content hashes of its ``samples.json``, else the :func:`~evaluation.compare.sample_settings` of its generated
     samples; None when the run records neither (a Hub dataset's run of an older version)."""
-    from .compare import sample_settings
+    from .compare import _config, _fingerprints, sample_settings
 
-    fingerprints = Path(run_dir) / "samples.json"
-    if fingerprints.is_file():
-        return json.dumps(sorted(json.loads(fingerprints.read_text(encoding="utf-8")).items()))
-    config = _config_of(run_dir)
+    fingerprints = _fingerprints(run_dir)
+    if fingerprints is not None:
+        return json.dumps(sorted(fingerprints.items()))
+    config = _config(run_dir)
     if config is not None and config.get("source") is None:
         return json.dumps(sorted(sample_settings(config).items()), default=str)
     return None
@@ -122,7 +113,9 @@ def _sample_identity(run_dir: str) -> str | None:
 def _setting_key(run: dict[str, Any]) -> str | None:
     """The setting a run measured, whatever its samples: its line (:func:`_series`) and every ``config.json``
     setting but those of :data:`_SAMPLE_ONLY`; None for a run without ``config.json`` (never pooled)."""
-    config = _config_of(run["run_dir"])
+    from .compare import _config
+
+    config = _config(run["run_dir"])
     if config is None:
         return None
     setting = {k: v for k, v in config.items() if k not in _SAMPLE_ONLY}
@@ -141,7 +134,7 @@ def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
             scores[row["task"]].append(row["score"])
             rows.append(row)
     tasks = [t for t in runs[0]["tasks"] if t in scores]
-    pooled = {key: value for key, value in runs[0].items() if key not in ("weights_label",)}
+    pooled = dict(runs[0])
     pooled.update(
         tasks={t: sum(scores[t]) / len(scores[t]) for t in tasks},
         tasks_n={t: len(scores[t]) for t in tasks},
@@ -153,8 +146,6 @@ def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     )
     pooled["score"] = sum(pooled["tasks"].values()) / len(tasks)
     pooled.update(run_intervals({t: scores[t] for t in tasks}))
-    if runs[0].get("weights_label"):
-        pooled["weights_label"] = runs[0]["weights_label"]
     return pooled
 
 
@@ -397,19 +388,24 @@ def _paired_label(paired: dict[str, Any] | None) -> str:
     return f"{paired['difference']:+.1f} [{low:+.1f}, {high:+.1f}] {verdict}"
 
 
-def _full_cache_runs(results: list[dict[str, Any]]) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
-    """The full cache's result each result is compared with (a function of the result): the full cache of its panel
-    on the same tasks (a full cache run on other tasks has another mean over tasks), the one sharing most of its
-    seeds where there are several; None where the panel has none on its tasks."""
+def _full_caches_on_tasks(results: list[dict[str, Any]]) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
+    """The full-cache results a result can be compared with (a function of the result): those of its panel on the
+    same tasks (a full cache run on other tasks has another mean over tasks)."""
     fulls: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
     for r in results:
         if r["press"] == "no_press":
             fulls[_panel(r)].append(r)
+    return lambda result: [f for f in fulls.get(_panel(result), []) if set(f["tasks"]) == set(result["tasks"])]
+
+
+def _full_cache_runs(results: list[dict[str, Any]]) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
+    """The full cache's result each result is compared with (a function of the result): of those on its tasks
+    (:func:`_full_caches_on_tasks`), the one sharing most of its seeds; None where the panel has none on its tasks."""
+    on_its_tasks = _full_caches_on_tasks(results)
 
     def full_of(result: dict[str, Any]) -> dict[str, Any] | None:
-        same = [f for f in fulls.get(_panel(result), []) if set(f["tasks"]) == set(result["tasks"])]
         seeds = set(result.get("seeds") or [])
-        return max(same, key=lambda f: len(seeds & set(f.get("seeds") or [])), default=None)
+        return max(on_its_tasks(result), key=lambda f: len(seeds & set(f.get("seeds") or [])), default=None)
 
     return full_of
 
