@@ -104,6 +104,20 @@ def main() -> int:
     check(kernels.kernel_status() == "loaded", f"The CPU decode kernel did not load: {kernels.kernel_status()}")
     for command in ("train", "evaluate"):
         check(f"usage: kvzap {command}" in run_kvzap(command, "--help"), f"`kvzap {command} --help` shows no usage.")
+    # The bundled surrogates are package data: every one of them must be in the wheel, loadable.
+    from kvzap import KVzapScorer, KVzapSurrogate
+    from kvzap.surrogates import list_bundled
+
+    expected = {
+        "SmolLM2-135M-Instruct": ["fastkvzip", "linear", "mlp", "mlp-average"],
+        "gemma-3-270m": ["linear", "mlp"],
+    }
+    check(list_bundled() == expected, f"The wheel's bundled surrogates are {list_bundled()}, expected {expected}.")
+    KVzapScorer("mlp", variant="average")
+    for model_type in ("linear", "mlp", "mlp-average"):
+        KVzapSurrogate.from_pretrained(
+            Path(kvzap.__file__).parent / "surrogates/bundled/SmolLM2-135M-Instruct" / model_type
+        )
 
     with tempfile.TemporaryDirectory(prefix="kvzap-smoke-") as tmp:
         root = Path(tmp)

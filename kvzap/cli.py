@@ -61,10 +61,11 @@ def _demo(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
     from transformers import DynamicCache, pipeline
 
-    from kvzap import DMSThresholdPress, FastKVzipScorer, KVzapScorer
+    from kvzap import DMSThresholdPress
     from kvzap.cache import kv_bytes
     from kvzap.models import load_model
 
+    scorer = _scorer(args)  # before the model loads: a wrong --variant is refused at once
     torch.set_grad_enabled(False)
     steps = tqdm(total=4, desc="kvzap demo", unit="step")
     steps.set_postfix_str("loading the model")
@@ -80,10 +81,6 @@ def _demo(args: argparse.Namespace) -> int:
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
     context = demo_context(tokenizer, args.context_tokens)
     n_tokens = len(tokenizer.encode(context))
-    if args.model_type == "fastkvzip":
-        scorer = FastKVzipScorer(surrogate=args.surrogate)
-    else:
-        scorer = KVzapScorer(model_type=args.model_type, surrogate=args.surrogate)
     press = DMSThresholdPress(scorer, threshold=args.threshold, sliding_window_size=args.window)
 
     results = {}
@@ -117,7 +114,6 @@ def _demo(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvzap import FastKVzipScorer, KVzapScorer
     from kvzap.calibrate import calibrate, collect_scores, compression_curve
     from kvzap.models import load_model
 
@@ -125,6 +121,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         missing = [p for p in args.texts if not Path(p).is_file()]
         if missing:  # checked before the model is loaded
             raise FileNotFoundError(f"--texts: no such file: {', '.join(missing)}. Pass readable text files.")
+    scorer = _scorer(args)
     model, tokenizer = load_model(args.model)
     if args.texts:
         texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in args.texts]
@@ -132,10 +129,6 @@ def _calibrate(args: argparse.Namespace) -> int:
         words = demo_context(tokenizer, args.max_tokens * 3).split()
         size = len(words) // 3
         texts = [" ".join(words[i * size : (i + 1) * size]) for i in range(3)]
-    if args.model_type == "fastkvzip":
-        scorer = FastKVzipScorer(surrogate=args.surrogate)
-    else:
-        scorer = KVzapScorer(model_type=args.model_type, surrogate=args.surrogate)
     scores = collect_scores(
         model, tokenizer, scorer, texts, max_tokens=args.max_tokens, prune_sliding_layers=args.prune_sliding_layers
     )
@@ -181,6 +174,17 @@ def _info(args: argparse.Namespace) -> int:
     print(f"kvzap {kvzap.__version__} | torch {torch.__version__} | transformers {transformers.__version__}")
     print(f"bundled surrogates: {list_bundled() or 'none'}")
     return 0
+
+
+def _scorer(args: argparse.Namespace):
+    """The scorer of --model-type, --surrogate and --variant (checked here, before any model is loaded)."""
+    from kvzap import FastKVzipScorer, KVzapScorer
+
+    if args.model_type == "fastkvzip":
+        if args.variant is not None:
+            raise ValueError("--variant selects a bundled KVzap surrogate; Fast KVzip has none: drop --variant.")
+        return FastKVzipScorer(surrogate=args.surrogate)
+    return KVzapScorer(model_type=args.model_type, surrogate=args.surrogate, variant=args.variant)
 
 
 def _check_local_paths(args: argparse.Namespace) -> None:
@@ -236,6 +240,12 @@ def _ratio(text: str) -> float:
     return value
 
 
+VARIANT_HELP = (
+    "another surrogate bundled for the model instead of its default one (`kvzap info` lists them as "
+    "<model-type>-<variant>), e.g. 'average' for SmolLM2-135M-Instruct's MLP"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvzap", description="KVzap: adaptive KV-cache pruning for transformers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what kvzap does")
@@ -247,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "--model-type", choices=["mlp", "linear", "fastkvzip"], default="mlp", help="KVzap-MLP/-Linear or Fast KVzip"
     )
     demo.add_argument("--surrogate", default=None, help="surrogate dir or Hub id (default: bundled for the model)")
+    demo.add_argument("--variant", default=None, help=VARIANT_HELP)
     demo.add_argument("--threshold", type=_threshold, default=-4.0)
     demo.add_argument("--window", type=_non_negative_int, default=128, help="sliding window size")
     demo.add_argument("--context-tokens", type=_positive_int, default=2000)
@@ -260,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "--model-type", choices=["mlp", "linear", "fastkvzip"], default="mlp", help="KVzap-MLP/-Linear or Fast KVzip"
     )
     cal.add_argument("--surrogate", default=None)
+    cal.add_argument("--variant", default=None, help=VARIANT_HELP)
     cal.add_argument("--window", type=_non_negative_int, default=128, help="sliding window size")
     cal.add_argument("--texts", nargs="*", help="text files (default: Python documentation text)")
     cal.add_argument("--max-tokens", type=_positive_int, default=2048, help="tokens per text")

@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from kvzap import _compat
 from kvzap.presses.surrogate_scorer import SurrogateScorer
-from kvzap.surrogates import KVzapSurrogate
+from kvzap.surrogates import KVzapSurrogate, list_bundled
 
 __all__ = ["KVzapScorer"]
 
@@ -25,6 +25,11 @@ class KVzapScorer(SurrogateScorer):
     surrogate : where the weights come from: a :class:`~kvzap.surrogates.KVzapSurrogate`, a local directory or a
         Hub id in the published checkpoint format. When None, the scorer uses the surrogate bundled with kvzap for
         the model (if any), else downloads ``nvidia/KVzap-{model_type}-{model name}`` from the Hub.
+    variant : another surrogate bundled for the model, in ``<model name>/<model_type>-<variant>/`` of the bundled
+        surrogates (``kvzap.surrogates.list_bundled()`` lists them), instead of the default ``<model_type>/``.
+        For SmolLM2-135M-Instruct, ``variant="average"`` is the average of three MLPs fitted on more text (higher
+        held-out R^2 on every kind of text, fewer needles kept at the same eviction; see the bundled README). A
+        variant is never looked up on the Hub, and cannot be combined with ``surrogate``.
 
     The weights are resolved, checked against the model's shapes and placed on each layer's device and dtype
     once, when a press using this scorer is applied to a model.
@@ -36,27 +41,45 @@ class KVzapScorer(SurrogateScorer):
         self,
         model_type: Literal["linear", "mlp"] = "mlp",
         surrogate: KVzapSurrogate | str | os.PathLike | None = None,
+        variant: str | None = None,
     ) -> None:
         if model_type not in _MODEL_TYPES:
             raise ValueError(f"model_type must be 'linear' or 'mlp', got {model_type!r}.")
+        if variant is not None:
+            _check_variant(model_type, variant, surrogate)
         if isinstance(surrogate, KVzapSurrogate) and surrogate.model_type != model_type:
             raise ValueError(
                 f"The surrogate given is a KVzap-{surrogate.model_type} model but model_type={model_type!r}: "
                 "pass the matching model_type."
             )
         self.model_type = model_type
-        self.bundled_type = model_type
+        self.variant = variant
+        self.bundled_type = model_type if variant is None else f"{model_type}-{variant}"
         super().__init__(surrogate)
 
     def __repr__(self) -> str:
+        if self.variant is not None:
+            return f"KVzapScorer(model_type={self.model_type!r}, variant={self.variant!r})"
         src = self.surrogate if not isinstance(self.surrogate, KVzapSurrogate) else "<module>"
         return f"KVzapScorer(model_type={self.model_type!r}, surrogate={src!r})"
 
     def _describe(self) -> str:
+        if self.variant is not None:
+            return f"KVzap-{self.model_type} surrogate (variant {self.variant!r})"
         return f"KVzap-{self.model_type} surrogate"
 
-    def _hub_id(self, model_name: str) -> str:
-        return f"nvidia/KVzap-{self.model_type}-{model_name}"
+    def _not_bundled_hint(self, model_name: str) -> str:
+        if self.variant is None:
+            return super()._not_bundled_hint(model_name)
+        models = _bundled_variants(self.model_type).get(self.variant, [])
+        return (
+            f"Variant {self.variant!r} is bundled for {', '.join(models)} only: leave variant=None for the model's "
+            "default surrogate, or pass surrogate='<directory>'."
+        )
+
+    def _hub_id(self, model_name: str) -> str | None:
+        # A variant names a bundled directory; the Hub has no counterpart to fall back on.
+        return None if self.variant is not None else f"nvidia/KVzap-{self.model_type}-{model_name}"
 
     def _expected_config(self, model: PreTrainedModel) -> dict[str, int]:
         cfg = _compat.text_config(model)
@@ -78,4 +101,31 @@ class KVzapScorer(SurrogateScorer):
             hidden_size=cfg.hidden_size,
             num_kv_heads=_compat.num_kv_heads(model),
             model_name=model_name,
+        )
+
+
+def _bundled_variants(model_type: str) -> dict[str, list[str]]:
+    """Variant name -> the bundled models that have it, for one surrogate type."""
+    prefix = f"{model_type}-"
+    variants: dict[str, list[str]] = {}
+    for model_name, types in list_bundled().items():
+        for bundled_type in types:
+            if bundled_type.startswith(prefix):
+                variants.setdefault(bundled_type[len(prefix) :], []).append(model_name)
+    return variants
+
+
+def _check_variant(model_type: str, variant: object, surrogate: object) -> None:
+    """Refuses a variant that is not a bundled one, or one given together with ``surrogate``."""
+    if surrogate is not None:
+        raise ValueError(
+            "variant picks a surrogate bundled with kvzap and surrogate= names one: pass only one of them "
+            "(surrogate='<directory>' for your own weights)."
+        )
+    known = _bundled_variants(model_type)
+    if not isinstance(variant, str) or variant not in known:
+        listed = ", ".join(f"{name!r} ({', '.join(models)})" for name, models in sorted(known.items())) or "none"
+        raise ValueError(
+            f"variant={variant!r} is not a bundled KVzap-{model_type} variant; bundled {model_type} variants: "
+            f"{listed}. Leave variant=None for the model's default surrogate."
         )

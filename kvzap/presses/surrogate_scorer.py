@@ -64,6 +64,13 @@ class SurrogateScorer(Scorer):
     def _describe(self) -> str:
         return self.module_class.__name__
 
+    def _not_bundled_hint(self, model_name: str) -> str:
+        """How to fix a miss: nothing bundled for ``model_name`` (and no Hub id, or the Hub failed too)."""
+        return (
+            f"Train one with `kvzap train` and pass {type(self).__name__}(surrogate='<output dir>'), "
+            "or pass a directory or Hub id in the published format."
+        )
+
     # --- weights ---------------------------------------------------------------------------------------------
     def _resolve(self, name: str, expect: dict[str, int]) -> nn.Module:
         short = Path(name).name if name else ""
@@ -75,10 +82,7 @@ class SurrogateScorer(Scorer):
             self.source = f"bundled:{bundled}"
             return self.module_class.from_pretrained(bundled, expect=expect)
         hub_id = self._hub_id(short) if short else None
-        fix = (
-            f"Train one with `kvzap train` and pass {type(self).__name__}(surrogate='<output dir>'), "
-            "or pass a directory or Hub id in the published format."
-        )
+        fix = self._not_bundled_hint(short)
         if hub_id is None:
             raise SurrogateNotFoundError(f"No {self._describe()} is bundled with kvzap for model {short!r}. {fix}")
         try:

@@ -66,6 +66,53 @@ def test_missing_surrogate_offline_says_how_to_fix(llama, tmp_path, monkeypatch)
     assert llama.config._attn_implementation == before
 
 
+def test_a_bundled_variant_is_picked_by_name(llama, tmp_path, monkeypatch):
+    monkeypatch.setattr(bundled, "BUNDLED_DIR", tmp_path)
+    surrogate(seed=0).save_pretrained(tmp_path / "tiny-llama" / "mlp")
+    surrogate(seed=1).save_pretrained(tmp_path / "tiny-llama" / "mlp-average")
+    surrogate(hidden_dim=None).save_pretrained(tmp_path / "tiny-llama" / "linear")
+    scores = {}
+    for variant in (None, "average"):
+        scorer = Capture("mlp", variant=variant)
+        with DMSPress(scorer, threshold=-100)(llama):
+            llama(random_ids(1, 12))
+        folder = "mlp" if variant is None else "mlp-average"
+        assert scorer.source == f"bundled:{tmp_path / 'tiny-llama' / folder}"
+        scores[variant] = scorer.seen[0]
+    assert not torch.equal(scores[None], scores["average"])
+    assert repr(Capture("mlp", variant="average")) == "KVzapScorer(model_type='mlp', variant='average')"
+
+
+def test_bad_variants_are_refused_before_anything_changes(llama, tmp_path, monkeypatch):
+    monkeypatch.setattr(bundled, "BUNDLED_DIR", tmp_path)
+    surrogate().save_pretrained(tmp_path / "other-model" / "mlp-average")
+    surrogate().save_pretrained(tmp_path / "tiny-llama" / "mlp")
+    # Refused when built: a name no bundled model has, a variant of the other type, or a variant with weights.
+    with pytest.raises(
+        ValueError, match=r"variant='avg' is not a bundled KVzap-mlp variant.*'average' \(other-model\)"
+    ):
+        KVzapScorer("mlp", variant="avg")
+    with pytest.raises(ValueError, match="bundled linear variants: none"):
+        KVzapScorer("linear", variant="average")
+    with pytest.raises(ValueError, match="pass only one of them"):
+        KVzapScorer("mlp", surrogate(), variant="average")
+    # Bundled for another model only: refused when the press is applied, the model untouched, and never looked up
+    # on the Hub (no network call: the Hub would answer something else).
+    import kvzap.surrogates.checkpoint as checkpoint
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("looked up on the Hub")
+
+    monkeypatch.setattr(checkpoint, "hf_hub_download", no_hub)
+    with pytest.raises(AssertionError, match="looked up on the Hub"):  # the patch is live: no linear is bundled
+        KVzapScorer("linear").setup(llama)
+    before = (llama.config._attn_implementation, [dict(m._forward_hooks) for m in llama.modules()])
+    press = DMSPress(KVzapScorer("mlp", variant="average"), threshold=-4)
+    with pytest.raises(SurrogateNotFoundError, match=r"variant 'average'.*bundled for other-model only"), press(llama):
+        pass
+    assert (llama.config._attn_implementation, [dict(m._forward_hooks) for m in llama.modules()]) == before
+
+
 def test_weights_are_placed_once(llama, monkeypatch):
     scorer = KVzapScorer("mlp", surrogate())
     press = DMSPress(scorer, threshold=0.0)
