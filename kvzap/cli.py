@@ -170,9 +170,12 @@ def _info(args: argparse.Namespace) -> int:
 
     import kvzap
     from kvzap.surrogates import list_bundled
+    from kvzap.surrogates.bundled import BUNDLED_DIR
 
     print(f"kvzap {kvzap.__version__} | torch {torch.__version__} | transformers {transformers.__version__}")
     print(f"bundled surrogates: {list_bundled() or 'none'}")
+    # The directories, for tools that take a surrogate directory (kvzap evaluate --surrogate-mlp DIR, ...).
+    print(f"  in {BUNDLED_DIR}/<model>/<type>")
     return 0
 
 
