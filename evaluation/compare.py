@@ -33,6 +33,8 @@ from .runner import PARTIAL, SAMPLES, _read_partial, _sample_key
 __all__ = [
     "read_predictions",
     "read_run",
+    "read_config",
+    "read_sample_fingerprints",
     "sample_settings",
     "press_settings",
     "compare_runs",
@@ -93,7 +95,7 @@ def sample_settings(config: dict[str, Any]) -> dict[str, Any]:
     return {key: config[key] for key in keys if key in config}
 
 
-def _config(run: Path) -> dict[str, Any] | None:
+def read_config(run: str | Path) -> dict[str, Any] | None:
     """A run directory's ``config.json``, or None when it has none (runs of older versions)."""
     path = Path(run) / "config.json"
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
@@ -101,7 +103,7 @@ def _config(run: Path) -> dict[str, Any] | None:
 
 def _differing_settings(run_a: Path, run_b: Path) -> list[str]:
     """The :func:`sample_settings` on which the two runs' ``config.json`` disagree (none when either has none)."""
-    config_a, config_b = _config(run_a), _config(run_b)
+    config_a, config_b = read_config(run_a), read_config(run_b)
     if config_a is None or config_b is None:
         return []
     return _disagreements(sample_settings(config_a), sample_settings(config_b))
@@ -127,7 +129,9 @@ def press_settings(config: dict[str, Any]) -> dict[str, Any]:
     return {key: config[key] for key in PRESS_SETTINGS if key in config}
 
 
-def _fingerprints(run: Path) -> dict[str, str] | None:
+def read_sample_fingerprints(run: str | Path) -> dict[str, str] | None:
+    """A run directory's ``samples.json`` (``task/id`` -> fingerprint of the sample's prompt and answers, written by
+    :func:`evaluation.runner.sample_fingerprints`), or None when it has none (runs of older versions)."""
     path = Path(run) / SAMPLES
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
@@ -136,7 +140,7 @@ def _check_same_samples(run_a: Path, run_b: Path, keys: set[str]) -> None:
     """Raise ValueError when the two runs did not answer the same samples under the paired ``keys``
     (``task/id``). Runs that both wrote sample fingerprints (``samples.json``) are judged on those, so two models
     sharing a tokenizer compare on the samples they share; older runs on their :func:`sample_settings`."""
-    fingerprints = _fingerprints(run_a), _fingerprints(run_b)
+    fingerprints = read_sample_fingerprints(run_a), read_sample_fingerprints(run_b)
     content: list[str] = []
     if (
         fingerprints[0] is not None
@@ -171,7 +175,7 @@ def _check_pooled(pairs: list[tuple[Path, Path]]) -> None:
     """Raise ValueError, before any score is read, when pooled pairs would count a sample twice (two pairs of the
     same samples) or mix presses on one side (:func:`press_settings` differ between pairs)."""
     for side, runs in (("A", [a for a, _ in pairs]), ("B", [b for _, b in pairs])):
-        configs = [(run, press_settings(config)) for run in runs if (config := _config(run)) is not None]
+        configs = [(run, press_settings(config)) for run in runs if (config := read_config(run)) is not None]
         if not configs:
             continue
         first, reference = configs[0]
@@ -185,8 +189,8 @@ def _check_pooled(pairs: list[tuple[Path, Path]]) -> None:
                 )
     seen: dict[str, Path] = {}
     for run, _ in pairs:
-        fingerprints = _fingerprints(run)
-        config = _config(run)
+        fingerprints = read_sample_fingerprints(run)
+        config = read_config(run)
         if fingerprints is not None:
             identity = sorted(fingerprints.values())
         elif config is not None and config.get("source") is None:

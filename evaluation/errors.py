@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import ruler
-from .compare import read_predictions
+from .compare import read_config, read_predictions
 
 __all__ = ["OUTCOMES", "classify_answer", "needle_errors", "format_errors", "main"]
 
@@ -71,10 +71,9 @@ def classify_answer(prediction: str, expected: str, answers: Sequence[str], need
 
 def run_config(run_dir: str | Path) -> dict[str, Any]:
     """A run directory's ``config.json``, checked to be a run of the offline RULER-style suite."""
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
+    config = read_config(run_dir)
+    if config is None:
         raise FileNotFoundError(f"{run_dir} has no config.json: give a run directory of `python -m evaluation`.")
-    config = json.loads(path.read_text(encoding="utf-8"))
     if config.get("dataset") != "ruler_offline":
         raise ValueError(
             f"{run_dir} is a run of {config.get('dataset')!r}; needle errors are defined for the offline "

@@ -99,12 +99,12 @@ def _sample_identity(run_dir: str) -> str | None:
     """What a run's samples are, as a string two runs share exactly when they answered the same samples: the
     content hashes of its ``samples.json``, else the :func:`~evaluation.compare.sample_settings` of its generated
     samples; None when the run records neither (a Hub dataset's run of an older version)."""
-    from .compare import _config, _fingerprints, sample_settings
+    from .compare import read_config, read_sample_fingerprints, sample_settings
 
-    fingerprints = _fingerprints(run_dir)
+    fingerprints = read_sample_fingerprints(run_dir)
     if fingerprints is not None:
         return json.dumps(sorted(fingerprints.items()))
-    config = _config(run_dir)
+    config = read_config(run_dir)
     if config is not None and config.get("source") is None:
         return json.dumps(sorted(sample_settings(config).items()), default=str)
     return None
@@ -113,9 +113,9 @@ def _sample_identity(run_dir: str) -> str | None:
 def _setting_key(run: dict[str, Any]) -> str | None:
     """The setting a run measured, whatever its samples: its line (:func:`_series`) and every ``config.json``
     setting but those of :data:`_SAMPLE_ONLY`; None for a run without ``config.json`` (never pooled)."""
-    from .compare import _config
+    from .compare import read_config
 
-    config = _config(run["run_dir"])
+    config = read_config(run["run_dir"])
     if config is None:
         return None
     setting = {k: v for k, v in config.items() if k not in _SAMPLE_ONLY}
