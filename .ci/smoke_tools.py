@@ -106,7 +106,7 @@ def main() -> int:
         check(f"usage: kvzap {command}" in run_kvzap(command, "--help"), f"`kvzap {command} --help` shows no usage.")
     # The bundled surrogates are package data: every one of them must be in the wheel, loadable.
     from kvzap import KVzapScorer, KVzapSurrogate
-    from kvzap.surrogates import list_bundled
+    from kvzap.surrogates import bundled_surrogate_dir, list_bundled
 
     expected = {
         "SmolLM2-135M-Instruct": ["fastkvzip", "linear", "mlp", "mlp-average"],
@@ -115,9 +115,7 @@ def main() -> int:
     check(list_bundled() == expected, f"The wheel's bundled surrogates are {list_bundled()}, expected {expected}.")
     KVzapScorer("mlp", variant="average")
     for model_type in ("linear", "mlp", "mlp-average"):
-        KVzapSurrogate.from_pretrained(
-            Path(kvzap.__file__).parent / "surrogates/bundled/SmolLM2-135M-Instruct" / model_type
-        )
+        KVzapSurrogate.from_pretrained(bundled_surrogate_dir("SmolLM2-135M-Instruct", model_type))
 
     with tempfile.TemporaryDirectory(prefix="kvzap-smoke-") as tmp:
         root = Path(tmp)
