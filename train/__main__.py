@@ -310,7 +310,8 @@ def run_collect(args: argparse.Namespace, out: Path) -> None:
 
 def run_fit(args: argparse.Namespace, collection: Path, out: Path, extra_train: list[Path] = ()) -> None:
     """Fit the requested surrogates and print the held-out R^2."""
-    from .fit import MLPConfig, fit_and_save
+    from .fit import fit_and_save
+    from .mlp import MLPConfig
 
     config = MLPConfig(
         hidden_dim=args.hidden_dim,
@@ -334,7 +335,7 @@ def run_fit(args: argparse.Namespace, collection: Path, out: Path, extra_train: 
                 "--layers-at-once applies to one fit; --leave-kinds-out loads the collections whole for each of its "
                 "fits: drop one of the two."
             )
-        from .fit import leave_kinds_out
+        from .kinds import leave_kinds_out
 
         held_out = leave_kinds_out(
             [collection / "train", *extra_train],
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> int:
     elif args.command == "fit":
         run_fit(args, args.collection, args.out, args.extra_train)
     elif args.command == "evaluate-surrogates":
-        from .fit import evaluate_saved
+        from .kinds import evaluate_saved
 
         surrogates = dict(item.split("=", 1) if "=" in item else (Path(item).name, item) for item in args.surrogate)
         report = evaluate_saved(surrogates, args.collection, args.out)

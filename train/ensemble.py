@@ -6,7 +6,7 @@ KVzap-Linear with the averaged weights. Both are exact (up to floating-point sum
 and presses like any surrogate (``KVzapSurrogate.from_pretrained``), at the cost of a wider hidden layer.
 
 Why: the MLPs fitted here overfit (train R^2 ~0.74 against ~0.64 held out at 300 prompts), and two of them fitted
-on different prompts average to a better surrogate than either (``train/results/smollm2-135m-ensemble``).
+on different prompts average to a better surrogate than either (``research/smollm2-135m-ensemble``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from kvzap.surrogates.fastkvzip import FastKVzipGates
 
-from .fit import pearson_r2
+from .metrics import pearson_r2
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ from train.fit import (
     EVICTIONS,
     MLPConfig,
     TopWeightedMSELoss,
-    _bar_styles,
     collection_kinds,
     evaluate_saved,
     evaluate_surrogate,
@@ -28,6 +27,7 @@ from train.fit import (
     leave_kinds_out,
     top_recall,
 )
+from train.plots import _bar_styles
 
 
 def test_kept_overlap_one_prompt_one_head():
