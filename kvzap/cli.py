@@ -12,8 +12,8 @@ __all__ = ["main", "demo_context"]
 
 NEEDLE = "The secret launch code for the kvzap demo is 7384."
 # No "answer with the number only": SmolLM2-135M then opens its answer with a stray "1" and often stops there or
-# drifts (session 25: with that instruction the bundled MLP failed at tau -5, -4.5, -3 and -2.5, 32-77% evicted;
-# with the plain question it answers at every threshold from -5 to -2.5).
+# drifts (with that instruction the bundled MLP failed at tau -5, -4.5, -3 and -2.5, 32-77% evicted; with the
+# plain question it answers at every threshold from -5 to -2.5).
 QUESTION = "What is the secret launch code for the kvzap demo?"
 
 # Standard-library modules whose documentation makes a long, real, offline haystack (always installed).

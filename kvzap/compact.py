@@ -1,6 +1,12 @@
 """Compact storage: evicted KV pairs are physically freed, in per-head pages (blocks) of a shared pool.
 
-:class:`CompactLayer` implements the :class:`~kvzap.cache.PrunableLayer` interface for full-attention layers.
+One concern, at this length: :class:`CompactLayer`, the adapter from transformers' cache-layer protocol and the
+press's eviction interface to the paged parts in :mod:`kvzap.paged` (table, pool, attention), which already live
+apart. Every method left here (settling the host and the device, update, crop and batch operations, evict,
+attend) changes the same table-and-pool state of one layer under one invariant (every live pair has exactly one
+slot, which the table knows once settled), which splitting the class would spread over several files.
+
+:class:`CompactLayer` implements the :class:`~kvzap.prunable.PrunableLayer` interface for full-attention layers.
 KV heads keep very different numbers of pairs (measured on SmolLM2-135M at 4k tokens and ~68% eviction: 3% to
 100% per head; padding every head of a layer to its busiest one would store 0.49 of the full cache for 0.32
 kept), so the layout must not pad heads to a common length. It is paged, like a serving engine's KV cache, and
@@ -59,12 +65,13 @@ import torch
 from torch import nn
 
 from kvzap._compat import DynamicLayer, crop_count
-from kvzap.cache import PrunableLayer, prunable_layer_like
+from kvzap.cache import prunable_layer_like
 from kvzap.heap import release_freed, release_pages
 from kvzap.paged.attention import paged_attention
 from kvzap.paged.kernels import decode_kernel
 from kvzap.paged.pool import BlockPool
 from kvzap.paged.table import BlockTable, PackPlan
+from kvzap.prunable import PrunableLayer
 
 __all__ = ["CompactLayer", "compact_layer_like", "DEFAULT_BLOCK_SIZE"]
 

@@ -14,7 +14,7 @@ Two ways back to the system:
 - :func:`release_freed`: after each layer, reads the process's anonymous resident memory and, when it has grown
   by more than the pools kept plus ``min_bytes`` since the last trim (freed memory the allocator keeps:
   fragmentation, or pairs that could not go the first way), calls glibc's ``malloc_trim(0)``, which hands every
-  whole free page of every arena back to the kernel. A trim at every layer (session 6) made the next
+  whole free page of every arena back to the kernel. A trim at every layer made the next
   allocations fault their pages in again, 5-10% of a prefill (BENCHMARKS.md); the rule trims only when needed.
 
 This is a host (CPU) matter: tensors on an accelerator are not counted. On a platform without glibc nothing is

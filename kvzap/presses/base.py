@@ -1,4 +1,4 @@
-"""Scorers say how important each new KV pair is; presses decide what to evict and apply it to a model.
+"""The press lifecycle: ``with press(model):`` and the hooks it registers on the model.
 
 A press is applied with ``with press(model): ...``. Entering validates everything (model, press parameters,
 scorer weights) before touching the model, then switches the model to kvzap's attention function and registers
@@ -6,13 +6,12 @@ one forward pre-hook and one forward hook per attention layer, and pre-hooks on 
 of a left-padded batch are read there from the 2-D attention mask; scorers that read the prefill's token ids get
 them there).
 
-Padded batches (left padding, as ``generate`` pads decoder-only models): each row's padding columns are evicted
-right after the attention of the forward that appended them, before the press decides anything, so they are never
-attended afterwards, never stored by the compact storage, and never counted in a statistic (they are taken off
-both the evicted and the seen counts of their row). The press's own decisions on padding columns are ignored.
-
 Exiting removes the hooks, restores the attention implementation and lets the scorers drop their per-sequence
 state, even when the body raises, so the model is left exactly as it was found.
+
+Beside this module: the scorer interface (:mod:`kvzap.presses.scorer`), the argument and score checks
+(:mod:`kvzap.presses.checks`), left padding (:mod:`kvzap.presses.padding`) and the compression statistics
+(:mod:`kvzap.presses.stats`). Their public names are importable from here too.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import Cache, PreTrainedModel
@@ -36,137 +34,31 @@ from kvzap.attention import ATTENTION_NAME, bind, ensure_registered, unbind
 from kvzap.cache import PrunableLayer, own_window, prunable_layer_like
 from kvzap.compact import compact_layer_like
 from kvzap.layers import is_sliding_module
+from kvzap.presses.checks import as_bool, as_number, check_scores
+from kvzap.presses.padding import (
+    _PAD_EVICTED,
+    _PAD_MAX,
+    _PADS,
+    _evict_padding,
+    _left_padding,
+    _left_padding_4d,
+    pad_columns,
+)
+from kvzap.presses.scorer import Scorer
+from kvzap.presses.stats import CompressionStats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Scorer", "BasePress", "STORAGES", "as_bool", "as_number", "check_scores"]
+__all__ = ["Scorer", "BasePress", "STORAGES", "as_bool", "as_number", "check_scores", "pad_columns"]
+
 
 #: How evicted pairs are stored: "compact" frees them (per-head buffers, sliding-window layers stay masked);
 #: "masked" keeps the dense cache and hides them (the reference for tests and benchmarks).
 STORAGES = {"compact": compact_layer_like, "masked": prunable_layer_like}
 
 
-class Scorer(ABC):
-    """Maps the new tokens of one attention layer to importance scores, higher = more important.
-
-    Subclasses implement :meth:`score`; :meth:`setup` runs once when a press is applied to a model and must
-    raise (``ValueError``/``TypeError``/``FileNotFoundError``) before anything is changed if the scorer
-    cannot serve this model.
-    """
-
-    #: False for scorers that need the whole context at once (oracles): they cannot score decoded tokens.
-    supports_decoding: ClassVar[bool] = True
-    #: True for scorers that read the token ids of each sequence's prefill (oracles that rerun the context): the
-    #: press then calls :meth:`begin_prefill` before the model runs the first forward of every sequence.
-    reads_prefill_inputs: ClassVar[bool] = False
-    #: False for scorers whose score of a pair depends on the other rows or on the padding of its row (an oracle
-    #: rerunning the padded context): a left-padded batch is then refused before anything runs.
-    supports_padding: ClassVar[bool] = True
-
-    def setup(self, model: PreTrainedModel) -> None:
-        """Prepare for ``model`` (load and place weights once). Default: nothing to do."""
-
-    def begin_prefill(
-        self,
-        model: PreTrainedModel,
-        input_ids: torch.Tensor | None,
-        inputs_embeds: torch.Tensor | None,
-        chunked: bool,
-    ) -> None:
-        """See the inputs of a sequence's first forward before the model runs it (if :attr:`reads_prefill_inputs`).
-
-        Called from a forward pre-hook of the decoder stack when the forward starts a sequence (its cache is
-        empty, or the decoder will create one). Nothing of the sequence is in the cache yet, so an error raised
-        here leaves no state behind. A forward this method runs itself on ``model`` (an oracle's extra forward,
-        with ``use_cache=False``) is neither pruned nor recorded by the press, and does not call this again.
-
-        Parameters
-        ----------
-        model : the model the press is applied to.
-        input_ids : ``(B, n)`` token ids of the forward, or None when it was given ``inputs_embeds``.
-        inputs_embeds : ``(B, n, D)`` input embeddings, or None.
-        chunked : True when the forward runs inside :meth:`BasePress.prefilling` (a chunked prefill: later
-            chunks continue the sequence without calling this again).
-        """
-
-    def release(self) -> None:
-        """Drop per-sequence state; called when a press using this scorer is removed. Default: nothing."""
-
-    @abstractmethod
-    def score(
-        self,
-        module: nn.Module,
-        hidden_states: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> torch.Tensor:
-        """Score the ``q`` new pairs of one layer.
-
-        Parameters
-        ----------
-        module : the attention module (``module.layer_idx`` is its layer).
-        hidden_states : ``(B, q, D)`` hidden states entering attention (after the input layernorm).
-        keys, values : ``(B, H, q, d)`` the new pairs (keys after RoPE), H = KV heads.
-        positions : ``(q,)`` absolute positions of the new tokens.
-
-        Returns
-        -------
-        Tensor ``(B, H, q)``.
-        """
-
-    def score_new_pairs(self, module: nn.Module, layer: PrunableLayer, hidden_states: torch.Tensor) -> torch.Tensor:
-        """:meth:`score` of the pairs a layer's last update appended, at their absolute positions: ``(B, H, q)``."""
-        q_len = hidden_states.shape[1]
-        positions = torch.arange(layer.seen - q_len, layer.seen, device=hidden_states.device)
-        return self.score(module, hidden_states, layer.last_keys, layer.last_values, positions)
-
-
-def as_number(name: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> Any:
-    """``value`` as a Python int/float (numpy scalars included), or a TypeError naming ``name``.
-
-    bool is refused (``True`` as a threshold or a window size is always a bug); ranges are checked by the caller.
-    """
-    if value is None and allow_none:
-        return None
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got a bool ({value!r}).")
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if not integer and isinstance(value, (float, np.floating)):
-        return float(value)
-    raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {type(value).__name__} ({value!r}).")
-
-
-def as_bool(name: str, value: Any) -> bool:
-    """``value`` as a Python bool (numpy bools included), or a TypeError naming ``name``."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise TypeError(f"{name} must be True or False, got {type(value).__name__} ({value!r}).")
-
-
-def check_scores(scores: torch.Tensor, scorer: Scorer, module: nn.Module) -> torch.Tensor:
-    """Refuse NaN scores: ``score < threshold`` is False for NaN, so they would silently evict nothing.
-
-    One device sync per scorer call; presses call it where they already score a batch (a prefill, or up to 16
-    decoded tokens), not on every decoding step.
-
-    Raises
-    ------
-    ValueError
-        Naming the scorer and the layer.
-    """
-    if bool(torch.isnan(scores).any()):
-        raise ValueError(
-            f"{type(scorer).__name__} returned NaN scores for layer {_compat.layer_index(module)}: NaN cannot be "
-            "compared with a threshold. Check the scorer's weights (a surrogate trained to NaN, or loaded in a dtype "
-            "that overflows) and the model's hidden states."
-        )
-    return scores
-
-
 @dataclass
-class BasePress(ABC):
+class BasePress(CompressionStats, ABC):
     """Applies a pruning policy to a model through ``with press(model):``.
 
     Subclasses implement :meth:`process_layer`, called after each attention layer's forward with the layer's
@@ -209,11 +101,6 @@ class BasePress(ABC):
     def _calls(self) -> dict[nn.Module, tuple[PrunableLayer, bool]]:
         """Attention modules whose forward the calling thread is running -> (their cache layer, prefill?)."""
         return self._local.calls
-
-    @property
-    def _stats(self) -> dict[int, tuple[torch.Tensor, torch.Tensor | int]]:
-        """Statistics of the last forward the calling thread ran under this press, per layer."""
-        return self._local.stats
 
     @property
     def _forward_drafts(self) -> int | None:
@@ -290,7 +177,7 @@ class BasePress(ABC):
         finally:
             self._prefilling = previous
 
-    # --- statistics -------------------------------------------------------------------------------------------
+    # --- which layers the press touches -------------------------------------------------------------------------
     def _leaves_alone(self, module: nn.Module, layer: Any) -> bool:
         """True when the press must not touch this attention layer: a sliding-window layer (see
         :mod:`kvzap.layers`) while ``prune_sliding_layers`` is False, whose cache layer is the bounded one
@@ -301,60 +188,6 @@ class BasePress(ABC):
             and not isinstance(layer, PrunableLayer)
             and is_sliding_module(module)
         )
-
-    def _record(self, layer_idx: int, layer: PrunableLayer) -> None:
-        """Keep the layer's ``(B, H)`` evicted counts and ``(B,)`` real tokens, padding taken off both (without
-        padding, the tokens seen as an int: a decoding step records every layer, and the tensor is built only when
-        the statistics are read)."""
-        pads = layer.press_state.get(_PADS)
-        if pads is None:
-            self._stats[layer_idx] = (layer.n_evicted, layer.seen)
-            return
-        n_evicted = layer.n_evicted - layer.press_state[_PAD_EVICTED]
-        real = torch.full((n_evicted.shape[0],), float(layer.seen), device=pads.device) - pads
-        self._stats[layer_idx] = (n_evicted, real)
-
-    def _require_stats(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if not self._stats:
-            raise RuntimeError(
-                "No compression statistics yet in this thread: run a forward pass (or the pipeline) under "
-                "`with press(model):` first. Statistics are kept per thread: read them in the thread that ran "
-                "the forward. A press with prune_sliding_layers=False prunes nothing in a model whose layers all "
-                "use a sliding window (their memory is bounded already): pass prune_sliding_layers=True to prune "
-                "them."
-            )
-        stats = []
-        for i in sorted(self._stats):
-            n_evicted, real = self._stats[i]
-            if not isinstance(real, torch.Tensor):
-                real = torch.full((n_evicted.shape[0],), float(real))
-            stats.append((n_evicted, real))
-        return stats
-
-    @property
-    def layer_compression_ratios(self) -> torch.Tensor:
-        """``(n_layers,)`` evicted share of the real pairs seen, per layer (over all rows and KV heads; padding
-        is not counted)."""
-        return torch.tensor([float(n.sum()) / (n.shape[1] * float(real.sum())) for n, real in self._require_stats()])
-
-    @property
-    def head_compression_ratios(self) -> torch.Tensor:
-        """``(n_layers, kv_heads)`` evicted share of the real pairs per layer and KV head (over all rows)."""
-        return torch.stack([n.float().sum(0).cpu() / float(real.sum()) for n, real in self._require_stats()])
-
-    @property
-    def sample_compression_ratios(self) -> torch.Tensor:
-        """``(batch,)`` evicted share of each row's real pairs (averaged over layers and KV heads)."""
-        return torch.stack([n.float().mean(1).cpu() / real.cpu() for n, real in self._require_stats()]).mean(0)
-
-    @property
-    def compression_ratio(self) -> float:
-        """Share of KV pairs evicted in the last sequence, averaged over layers (read-only).
-
-        "The last sequence" is the one of the last forward pass the calling thread ran under this press (on any
-        model): a press shared by several threads reports, in each thread, that thread's own sequence.
-        """
-        return float(self.layer_compression_ratios.mean())
 
     # --- applying the press ------------------------------------------------------------------------------------
     def before_layer(self, module: nn.Module, layer: PrunableLayer, prefill: bool) -> None:
@@ -590,147 +423,6 @@ class BasePress(ABC):
             # Also when something failed after the scorers were set up: they count the models they serve.
             for scorer in scorers:
                 scorer.release()
-
-
-def _left_padding(attention_mask: Any, read: bool = True) -> tuple[torch.Tensor, int] | None:
-    """The pad counts of a left-padded batch: ``((B,) long, their max)``, or None without padding (or when
-    ``read`` is False: the mask's type and shape are checked, its values not read).
-
-    A 2-D mask ``(B, n)`` marks padding with zeros, which must all come before the row's first one (left padding,
-    as ``generate`` pads decoder-only models). A 4-D mask ``(B, 1, q, kv)`` is a custom pattern (packed
-    sequences, prefix-LM) that eviction cannot honour, since evicted pairs are hidden by kvzap's own masks: it is
-    refused whatever it holds. Reads the mask on the host once per forward.
-    """
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(
-            f"kvzap presses take attention_mask as a tensor (batch, tokens) or None, got "
-            f"{type(attention_mask).__name__}."
-        )
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            f"kvzap presses take a 2-D attention_mask (batch, tokens), the 4-D causal mask of a left-padded batch, "
-            f"or none at all, got a {attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}. Pass the "
-            "2-D mask (batch, tokens) of a left-padded batch, or none."
-        )
-    if not read or not _compat.padded_rows(attention_mask):
-        return None
-    ones = attention_mask != 0
-    if bool((ones[:, :-1] & ~ones[:, 1:]).any()):
-        raise ValueError(
-            "kvzap presses support left-padded batches only (zeros before each row's first token, as `generate` "
-            "pads decoder-only models), but this attention mask has a zero after a one (right padding, or a hole): "
-            "pad on the left (tokenizer.padding_side = 'left')."
-        )
-    pads = (~ones).sum(-1)  # (B,) zeros before the first one
-    pad_max = int(pads.max())
-    if pad_max == attention_mask.shape[-1]:
-        raise ValueError(
-            "A row of the attention mask holds only zeros: a sequence without tokens, or a first prefill chunk "
-            "shorter than a row's padding. Drop empty sequences; in a chunked prefill, make the first chunk hold "
-            "all the padding (the pipeline does)."
-        )
-    return pads, pad_max
-
-
-def _left_padding_4d(
-    mask: torch.Tensor, read: bool, inputs: Any, past: int, modules: list[nn.Module]
-) -> tuple[torch.Tensor, int] | None:
-    """The pad counts of a 4-D mask that is the causal mask of a left-padded batch, as :func:`_left_padding`.
-
-    Such a mask ``(B, 1, q, past + q)`` (bool, True = may attend, or additive float: 0 or a large negative value)
-    lets the query of absolute position ``p`` of row ``b`` attend to the keys ``pads[b] <= j <= p``: what
-    transformers builds itself from the 2-D mask of a left-padded batch. kvzap honours exactly that pattern (a
-    padding query may attend to nothing or to everything: its output is never used), and refuses any other one (packed
-    sequences, prefix-LM, a sliding window drawn into the mask) before anything changes, since the pairs it
-    evicts are hidden by its own masks, and a model with sliding-window layers, to which transformers would hand
-    the same mask as to its full-attention layers. Only a sequence's first forward reads the mask's values; later
-    ones check its shape.
-    """
-    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-        raise TypeError(
-            f"A 4-D attention_mask must be bool (True = may attend) or an additive float mask, got {mask.dtype}. "
-            "Pass the 2-D mask (batch, tokens) of a left-padded batch instead."
-        )
-    sliding = [_compat.layer_index(m) for m in modules if is_sliding_module(m)]
-    if sliding:
-        raise ValueError(
-            f"A 4-D attention_mask is used as-is by every layer, but layers {sliding} of this model attend through "
-            "a sliding window that such a mask does not draw. Pass the 2-D mask (batch, tokens) of a left-padded "
-            "batch, from which transformers builds each layer's own mask."
-        )
-    known = isinstance(inputs, torch.Tensor) and inputs.dim() >= 2
-    batch, q_len = (int(inputs.shape[0]), int(inputs.shape[1])) if known else (mask.shape[0], mask.shape[2])
-    if mask.shape[0] not in (1, batch) or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (q_len, past + q_len):
-        raise ValueError(
-            f"A 4-D attention_mask must have shape (batch, 1, new tokens, cached + new tokens) = ({batch}, 1, "
-            f"{q_len}, {past + q_len}) for this forward, got {tuple(mask.shape)}. Pass the 2-D mask (batch, "
-            "tokens) of a left-padded batch instead."
-        )
-    rows, keys = q_len, past + q_len
-    if not read:
-        return None
-    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    allowed = allowed[:, 0]  # (B, q, kv)
-    last = allowed[:, -1]  # (B, kv): the last token of each row is a real one
-    if not bool(last.any(dim=-1).all()):
-        raise ValueError(
-            "A row of the 4-D attention_mask lets its last token attend to nothing: a sequence without tokens. "
-            "Drop empty sequences."
-        )
-    pads = last.to(torch.uint8).argmax(dim=-1)  # (B,) first key the last token may attend to
-    positions = past + torch.arange(rows, device=mask.device)  # (q,) absolute positions of the queries
-    columns = torch.arange(keys, device=mask.device)
-    expected = (columns[None, None, :] >= pads[:, None, None]) & (columns[None, None, :] <= positions[None, :, None])
-    real = positions[None, :] >= pads[:, None]  # (B, q) queries of real tokens
-    # A padding query attends to nothing (transformers' own masks), or to everything (the legacy masks that
-    # unmask fully masked rows for sdpa); anything else is a pattern of its own (e.g. a first packed document).
-    padding_rows_ok = ~allowed.any(dim=-1) | allowed.all(dim=-1)  # (B, q)
-    if not bool((allowed == expected)[real].all()) or not bool(padding_rows_ok[~real].all()):
-        raise ValueError(
-            "This 4-D attention_mask is not the causal mask of a left-padded batch (each token attending to every "
-            "earlier real token and itself): custom patterns (packed sequences, prefix-LM, windows) cannot be "
-            "combined with eviction, since kvzap hides evicted pairs with its own masks. Pass the 2-D mask "
-            "(batch, tokens) of a left-padded batch, or none."
-        )
-    pads = pads.long().expand(batch)  # a mask of batch 1 serves every row
-    pad_max = int(pads.max())
-    if pad_max == 0:
-        return None
-    return pads, pad_max
-
-
-def _evict_padding(layer: PrunableLayer, q_len: int) -> None:
-    """Evict the padding columns among the ``q_len`` pairs the layer's last update appended.
-
-    Called before the press decides anything, so that the compact storage never stores them; the pairs this
-    evicts are added to the layer's ``_PAD_EVICTED`` counts (a sliding-window layer may no longer store some).
-    """
-    state = layer.press_state
-    pad_max = state.get(_PAD_MAX, 0)
-    first = layer.seen - q_len
-    if pad_max <= first:
-        return
-    pads = state[_PADS]
-    n = min(pad_max, layer.seen) - first
-    columns = torch.arange(first, first + n, device=pads.device)
-    mask = (columns[None, :] < pads[:, None])[:, None, :].expand(-1, layer.n_evicted.shape[1], -1)  # (B, H, n)
-    before = layer.n_evicted
-    layer.evict(first, mask)
-    state[_PAD_EVICTED] = state[_PAD_EVICTED] + (layer.n_evicted - before).to(pads.device)
-
-
-def pad_columns(layer: PrunableLayer, first: int, n: int) -> torch.Tensor | None:
-    """``(B, n)`` True where columns ``first .. first + n - 1`` of the layer are padding; None without padding."""
-    pads = layer.press_state.get(_PADS)
-    if pads is None or layer.press_state[_PAD_MAX] <= first:
-        return None
-    return torch.arange(first, first + n, device=pads.device)[None, :] < pads[:, None]
-
-
-# Keys of a layer's press_state that the base press owns (a sequence's padding), whatever press subclass runs.
-_PADS, _PAD_MAX, _PAD_EVICTED = "pads", "pad_max", "pad_evicted"
 
 
 def _refuse_continuous_batching(name: str, *args: Any, **kwargs: Any) -> None:
