@@ -90,7 +90,7 @@ def test_decoding_reads_the_device_at_most_once_per_16_steps_per_layer(storage, 
     # press's own hook, counted apart.
     padding = sum(n for caller, n in counter.reads.items() if caller.endswith(":padded_rows"))
     assert padding <= steps
-    # The press refuses NaN scores with one read per scorer call (presses/base.py check_scores): decoded tokens are
+    # The press refuses NaN scores with one read per scorer call (presses/checks.py check_scores): decoded tokens are
     # scored in batches of up to 16, here of up to 8 (a batch is scored before its first token leaves the window).
     checks = sum(n for caller, n in counter.reads.items() if caller.endswith(":check_scores"))
     assert checks <= n_layers * (math.ceil(steps / 8) + 1)
