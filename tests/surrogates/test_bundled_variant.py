@@ -1,6 +1,6 @@
 """The SmolLM2 MLP variant bundled as ``SmolLM2-135M-Instruct/mlp-average`` (``KVzapScorer(variant="average")``).
 
-It is the average of three MLPs kept in ``train/results`` (its ``ensemble.json`` names them and their sha256). The
+It is the average of three MLPs kept in ``research/`` (its ``ensemble.json`` names them and their sha256). The
 shipped file is checked from outside the code that wrote it: each member is loaded on its own, their predictions
 are averaged here, and the shipped surrogate must predict that mean in every layer.
 """
@@ -54,7 +54,7 @@ def test_its_accuracy_runs_read_these_very_weights():
     """The accuracy figures quoted for the variant (ensemble README, sections 4-10) are the shipped file's."""
     from evaluation.presses import weights_fingerprint
 
-    runs = sorted((ROOT / "train/results/smollm2-135m-ensemble/second_suite").glob("HGpref_*/config.json"))
+    runs = sorted((ROOT / "research/smollm2-135m-ensemble/second_suite").glob("HGpref_*/config.json"))
     assert len(runs) == 6
     shipped = weights_fingerprint(VARIANT)
     for run in runs:
