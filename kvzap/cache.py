@@ -20,7 +20,7 @@ import torch
 from transformers import Cache
 
 from kvzap._compat import DynamicLayer, DynamicSlidingWindowLayer, crop_count
-from kvzap.prunable import LayerState, PrunableLayer
+from kvzap.prunable import LayerState, PrunableLayer, check_evict_mask
 
 __all__ = [
     "PrunableLayer",
@@ -171,6 +171,7 @@ class _MaskedStorage(PrunableLayer):
         Positions no longer stored (slid out of a sliding-window layer) are ignored. Nothing is read back from
         the device.
         """
+        check_evict_mask(mask, tuple(self.keep.shape[:2]), start, self.seen)
         n = mask.shape[-1]
         if n == 0:
             return
@@ -363,9 +364,18 @@ def prunable_layer_like(layer: Any) -> PrunableLayer:
     )
 
 
+def _check_cache_arg(cache: Any, what: str) -> None:
+    if not isinstance(cache, Cache):
+        raise TypeError(
+            f"{what} takes a transformers Cache (the `past_key_values` of a forward, e.g. a DynamicCache), got "
+            f"{type(cache).__name__}."
+        )
+
+
 def snapshot_cache(cache: Cache) -> list[Any]:
     """Cheap checkpoint of a dynamic cache: what each layer needs for a restore, its tensors shared, never
     copied (prunable layers give a :class:`LayerState`)."""
+    _check_cache_arg(cache, "snapshot_cache")
     states = []
     for layer in cache.layers:
         if isinstance(layer, PrunableLayer):
@@ -382,6 +392,15 @@ def snapshot_cache(cache: Cache) -> list[Any]:
 
 def restore_cache(cache: Cache, states: list[Any]) -> None:
     """Bring a cache back to a :func:`snapshot_cache` checkpoint (layers added since are dropped)."""
+    _check_cache_arg(cache, "restore_cache")
+    if not isinstance(states, list):
+        raise TypeError(f"states must be the list snapshot_cache returned, got {type(states).__name__}.")
+    if len(states) > len(cache.layers):
+        # Checked before anything changes: a strict zip would fail halfway through the restore.
+        raise ValueError(
+            f"The checkpoint holds {len(states)} layers but the cache {len(cache.layers)}: restore a checkpoint into "
+            "the cache it was taken of."
+        )
     del cache.layers[len(states) :]
     for layer, state in zip(cache.layers, states, strict=True):
         if isinstance(layer, PrunableLayer):
@@ -406,6 +425,7 @@ def kv_bytes(cache: Cache) -> KVBytes:
     host-side tables, ``n_evicted``, and the press's per-sequence state (pending scores, buffered hidden states,
     keys and values of tokens waiting in the window).
     """
+    _check_cache_arg(cache, "kv_bytes")
     kept = physical = full = 0
     for layer in cache.layers:
         if isinstance(layer, PrunableLayer):

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from kvzap import _compat
 from kvzap.cache import PrunableLayer
 from kvzap.layers import describe
-from kvzap.presses.base import BasePress, Scorer, check_scores
+from kvzap.presses.base import BasePress, Scorer, check_number, check_scores
 from kvzap.prompts import context_ids
 
 logger = logging.getLogger(__name__)
@@ -48,9 +48,9 @@ class _ScoreRecorder(BasePress):
     def process_layer(self, module: nn.Module, layer: PrunableLayer, hidden_states: torch.Tensor, prefill: bool):
         if not prefill:
             return False
-        scores = check_scores(
-            self.scorer.score_new_pairs(module, layer, hidden_states), self.scorer, module
-        )  # (B, H, T)
+        keys, q_len = layer.last_keys, hidden_states.shape[1]
+        scores = self.scorer.score_new_pairs(module, layer, hidden_states)
+        scores = check_scores(scores, self.scorer, module, (keys.shape[0], keys.shape[1], q_len))  # (B, H, T)
         scores = scores[0].float().cpu()  # (H, T)
         if isinstance(layer, _compat.DynamicSlidingWindowLayer):
             # The press's evict ignores positions no longer stored (slid out of the window during this forward).
@@ -80,8 +80,16 @@ def collect_scores(
         When the model has no layer to prune (every layer uses a sliding window and ``prune_sliding_layers`` is
         False).
     """
-    if isinstance(texts, str) or not texts:
+    _check_objects(model, tokenizer, scorer)
+    if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
         raise ValueError("texts must be a non-empty list of strings.")
+    wrong = sorted({type(t).__name__ for t in texts if not isinstance(t, str)})
+    if wrong:
+        raise TypeError(f"texts must hold strings only, got {', '.join(wrong)}.")
+    empty = [i for i, t in enumerate(texts) if not t.strip()]
+    if empty:
+        raise ValueError(f"texts {empty} are empty: there is nothing to calibrate on; pass texts with content.")
+    max_tokens = check_number("max_tokens", max_tokens, integer=True, allow_none=True, minimum=1)
     recorder = _ScoreRecorder(scorer=scorer, prune_sliding_layers=prune_sliding_layers)
     result = []
     for text in tqdm(texts, desc="calibration texts", unit="text"):
@@ -100,6 +108,44 @@ def collect_scores(
     return result
 
 
+def _check_objects(model, tokenizer, scorer) -> None:
+    """Refuse a missing model, tokenizer or scorer before anything runs."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"model must be a transformers PreTrainedModel (e.g. from kvzap.models.load_model()), got "
+            f"{type(model).__name__}."
+        )
+    if tokenizer is None or not callable(getattr(tokenizer, "encode", None)):
+        raise TypeError(
+            f"tokenizer must be the model's tokenizer (e.g. the second value of kvzap.models.load_model()), got "
+            f"{type(tokenizer).__name__}."
+        )
+    if not isinstance(scorer, Scorer):
+        raise TypeError(f"scorer must be a kvzap Scorer (e.g. KVzapScorer()), got {type(scorer).__name__}.")
+
+
+def _check_scores_list(scores) -> None:
+    """Refuse ``scores`` that are not :func:`collect_scores`'s output: texts of layers of ``(kv_heads, tokens)``."""
+    if not isinstance(scores, (list, tuple)) or not scores:
+        raise ValueError(
+            "scores must be the non-empty output of collect_scores: one list of (kv_heads, tokens) tensors per text."
+        )
+    for i, layers in enumerate(scores):
+        if not isinstance(layers, (list, tuple)) or not layers:
+            raise ValueError(f"scores[{i}] must be a non-empty list of (kv_heads, tokens) tensors, one per layer.")
+        for j, layer in enumerate(layers):
+            if not isinstance(layer, torch.Tensor) or layer.dim() != 2:
+                raise ValueError(
+                    f"scores[{i}][{j}] must be a (kv_heads, tokens) tensor, got "
+                    f"{tuple(layer.shape) if isinstance(layer, torch.Tensor) else type(layer).__name__}."
+                )
+            if layer.shape[-1] != layers[0].shape[-1]:
+                raise ValueError(
+                    f"scores[{i}] holds layers of {layers[0].shape[-1]} and {layer.shape[-1]} tokens: every layer of "
+                    "a text scores the same tokens."
+                )
+
+
 def compression_curve(
     scores: list[list[torch.Tensor]], thresholds: Sequence[float] | torch.Tensor, sliding_window_size: int = 128
 ) -> torch.Tensor:
@@ -111,7 +157,18 @@ def compression_curve(
     -------
     Tensor ``(len(thresholds),)``.
     """
-    thresholds = torch.as_tensor(thresholds, dtype=torch.float32)
+    sliding_window_size = check_number("sliding_window_size", sliding_window_size, integer=True, minimum=0)
+    _check_scores_list(scores)
+    if isinstance(thresholds, (str, bytes)):
+        raise TypeError("thresholds must be a list of numbers (or a 1-D tensor), got a string.")
+    try:
+        thresholds = torch.as_tensor(thresholds, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"thresholds must be a list of numbers (or a 1-D tensor): {error}") from error
+    if thresholds.dim() != 1:
+        raise ValueError(f"thresholds must be 1-D (one threshold per entry), got shape {tuple(thresholds.shape)}.")
+    if bool(torch.isnan(thresholds).any()):
+        raise ValueError("thresholds holds NaN: a NaN threshold evicts nothing; pass numbers (or -inf).")
     per_text = []
     for layers in scores:
         n_tokens = layers[0].shape[-1]
@@ -156,8 +213,18 @@ def calibrate(
         raise TypeError(f"target_compression must be a number in [0, 1), got {type(target_compression).__name__}.")
     if not 0 <= target_compression < 1:
         raise ValueError(f"target_compression must be in [0, 1), got {target_compression!r}.")
+    sliding_window_size = check_number("sliding_window_size", sliding_window_size, integer=True, minimum=0)
     if scores is None:
         scores = collect_scores(model, tokenizer, scorer, texts, max_tokens, prune_sliding_layers=prune_sliding_layers)
+    _check_scores_list(scores)
+    # Only the pairs outside the window can be evicted: the threshold is calibrated on their scores.
+    candidates = [s[:, : max(layers[0].shape[-1] - sliding_window_size, 0)] for layers in scores for s in layers]
+    if not any(c.numel() for c in candidates):
+        raise ValueError(
+            f"Nothing to calibrate: no text is longer than the sliding window ({sliding_window_size} tokens), so "
+            "the press would evict nothing whatever the threshold. Pass longer texts, or a smaller "
+            "sliding_window_size (the one the press will use)."
+        )
     # The curve is non-decreasing in the threshold: bisect between the lowest and highest evictable score.
     values = torch.cat([s.reshape(-1) for layers in scores for s in layers])
     values = values[values != float("inf")]
@@ -166,6 +233,14 @@ def calibrate(
     if bool(torch.isnan(values).any()):
         # NaN would make the bisection's bounds NaN and the returned threshold NaN.
         raise ValueError("scores holds NaN values: the scorer's weights are broken; calibrate with an intact scorer.")
+    evictable = torch.cat([c.reshape(-1) for c in candidates])
+    evictable = evictable[evictable != float("inf")]
+    if evictable.numel() and bool((evictable == evictable[0]).all()) and 0 < target_compression:
+        raise ValueError(
+            f"Every score outside the window is the same ({float(evictable[0])!r}): no threshold evicts a share "
+            "between none and all of them, so no target in between can be calibrated. Use a scorer that ranks "
+            "the pairs (e.g. KVzapScorer), not a constant one."
+        )
     lo, hi = float(values.min()), float(values.max()) + 1e-6
     reachable = float(compression_curve(scores, [hi], sliding_window_size)[0])
     if target_compression >= reachable:

@@ -71,7 +71,7 @@ from kvzap.paged.attention import paged_attention
 from kvzap.paged.kernels import decode_kernel
 from kvzap.paged.pool import BlockPool
 from kvzap.paged.table import BlockTable, PackPlan
-from kvzap.prunable import PrunableLayer
+from kvzap.prunable import PrunableLayer, check_evict_mask
 
 __all__ = ["CompactLayer", "compact_layer_like", "DEFAULT_BLOCK_SIZE"]
 
@@ -340,19 +340,10 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         The eviction is applied on the device without reading ``mask``; the host table learns of it later (see
         the module docstring). The evictions of a prefill read their mask (they decide what is written).
         """
-        if mask.dim() != 3 or mask.shape[:2] != (self._bsz, self._heads):
-            raise ValueError(
-                f"evict expects a mask of shape (batch={self._bsz}, kv_heads={self._heads}, n), "
-                f"got {tuple(mask.shape)}."
-            )
+        check_evict_mask(mask, (self._bsz, self._heads), start, self.seen)
         n_pos = mask.shape[-1]
         if n_pos == 0:
             return
-        if start < 0 or start + n_pos > self.seen:
-            raise ValueError(
-                f"evict covers positions {start}..{start + n_pos - 1}, but this layer has seen positions "
-                f"0..{self.seen - 1} only."
-            )
         nh, mask = self._nh, mask.to(dtype=torch.bool)
         if self._dense is not None:
             # The prefill: the pairs are written at the end of the forward, only those no eviction took.

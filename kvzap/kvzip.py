@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -104,9 +105,19 @@ def _as_ids(ids: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
     return ids
 
 
+def _check_tokenizer(tokenizer) -> None:
+    """Refuse a missing tokenizer before anything runs (it frames the repeat prompt)."""
+    if tokenizer is None or not callable(tokenizer) or not callable(getattr(tokenizer, "encode", None)):
+        raise TypeError(
+            f"tokenizer must be the model's tokenizer (AutoTokenizer.from_pretrained(...)), got "
+            f"{type(tokenizer).__name__}: it frames the repeat prompt."
+        )
+
+
 def _template_ids(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids of the repeat chat before the prompt (BOS included when the model expects one) and between
     the two copies (the repeat instruction, the end of the user turn and the start of the assistant turn)."""
+    _check_tokenizer(tokenizer)
     prefix_text, middle_text = _template_parts(tokenizer)
     prefix = torch.tensor(tokenizer(prefix_text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     middle = torch.tensor(tokenizer(middle_text, add_special_tokens=False)["input_ids"], dtype=torch.long)
@@ -446,6 +457,13 @@ def kvzip_plus_scores(
     -------
     KVzipPlusOutput
     """
+    if not isinstance(model, nn.Module) or not any(True for _ in model.parameters()):
+        raise TypeError(
+            f"model must be a transformers causal LM (e.g. from kvzap.models.load_model()), got {type(model).__name__}."
+        )
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+        raise TypeError(f"chunk_size must be a positive integer, got {type(chunk_size).__name__} ({chunk_size!r}).")
+    chunk_size = int(chunk_size)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}.")
     if layers is not None:

@@ -57,6 +57,8 @@ def cache_bytes(root: Any) -> int:
     -------
     int: device tensor bytes plus host NumPy bytes.
     """
+    if root is None:
+        raise TypeError("cache_bytes needs an object to measure (a cache, a snapshot ...), got None.")
     visited: set[int] = set()
     storages: dict[tuple[str, int], int] = {}
     arrays: dict[int, int] = {}
@@ -105,6 +107,10 @@ def freed_share(cache: Cache) -> float:
     ValueError
         When the cache holds no pair yet.
     """
+    if not isinstance(cache, Cache):
+        raise TypeError(
+            f"freed_share takes a transformers Cache (the `past_key_values` of a forward), got {type(cache).__name__}."
+        )
     full = kv_bytes(cache).full
     if full == 0:
         raise ValueError("The cache holds no key or value yet: run a forward pass with it before measuring it.")

@@ -327,6 +327,17 @@ def _gguf_dir(gguf: Path) -> Path:
     return default_cache_dir() / gguf.stem / (_QUANT_SUFFIX.sub("", gguf.stem) or gguf.stem)
 
 
+def _check_name_or_path(name_or_path: object) -> None:
+    """Refuse what names no model (a number, an empty string) before anything is read or downloaded."""
+    if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(
+            f"name_or_path must be a Hub id, a directory, a .gguf file, a known model name or None (the default "
+            f"model), got {type(name_or_path).__name__} ({name_or_path!r})."
+        )
+    if isinstance(name_or_path, str) and not name_or_path.strip():
+        raise ValueError("name_or_path is empty: pass a Hub id, a directory or a .gguf file, or None for the default.")
+
+
 def model_name(name_or_path: str | os.PathLike | None) -> str:
     """The name a model's results are filed under: a known model's name (``gemma3-270m`` -> ``gemma-3-270m``), a
     GGUF file's stem, quantization included (``x/foo.Q4_1.gguf`` -> ``foo.Q4_1``), else the last path component.
@@ -340,6 +351,7 @@ def model_name(name_or_path: str | os.PathLike | None) -> str:
     -------
     str
     """
+    _check_name_or_path(name_or_path)
     known = _known(name_or_path)
     if known is not None:
         return known.name
@@ -390,6 +402,7 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> str:
     FileExistsError
         If the cache directory exists but is not a finished copy.
     """
+    _check_name_or_path(name_or_path)
     known = _known(name_or_path)
     if known is not None:
         return _cached_conversion(default_cache_dir() / known.name, known.locate)
@@ -440,6 +453,18 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _check_name_or_path(name_or_path)
+    if not isinstance(dtype, torch.dtype) and dtype != "auto":
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or 'auto', got {dtype!r}.")
+    if not isinstance(attn_implementation, str) or not attn_implementation:
+        raise TypeError(f"attn_implementation must be a name such as 'sdpa', got {attn_implementation!r}.")
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (TypeError, RuntimeError) as error:
+            raise ValueError(
+                f"device {device!r} is not a device torch knows (e.g. 'cpu', 'cuda:0'): {error}."
+            ) from None
     source = resolve_model(name_or_path)
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)

@@ -224,6 +224,11 @@ class KVPressTextGenerationPipeline(Pipeline):
         if not isinstance(context, str):
             raise TypeError(f"context must be a string, got {type(context).__name__}.")
         tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise TypeError(
+                "The pipeline has no tokenizer: pass the model's, pipeline('kv-press-text-generation', model=model, "
+                "tokenizer=tokenizer)."
+            )
         # The context turn (chat template, or bare text) opened by BOS as kvzap.prompts decides: the rule
         # collection and calibration follow too, so surrogates see the hidden states they were trained on.
         ids, suffix = prompts.context_ids(tokenizer, context, enable_thinking=enable_thinking)

@@ -29,13 +29,14 @@ evicted pairs freed).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-__all__ = ["PrunableLayer", "LayerState"]
+__all__ = ["PrunableLayer", "LayerState", "check_evict_mask"]
 
 # Attributes of transformers' dynamic layers (every 5.x release we support). Their ``update``/``crop``/batch
 # operations replace these tensors instead of writing into them, so a snapshot shares them by reference.
@@ -234,3 +235,24 @@ class PrunableLayer:
         """True when attention must go through :meth:`attend` (what ``update`` returned is not the whole cache,
         or evicted pairs must be hidden); otherwise transformers' own sdpa reads ``update``'s output."""
         return self.has_evictions
+
+
+def check_evict_mask(mask: Any, rows_heads: tuple[int, int], start: Any, seen: int) -> None:
+    """Refuse an eviction mask that is not a bool ``(batch, kv_heads, n)`` tensor of this layer, or that covers
+    positions the layer has not seen: it would otherwise broadcast over the rows or heads it does not name."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        what = f"a {mask.dtype} tensor" if isinstance(mask, torch.Tensor) else f"a {type(mask).__name__}"
+        raise TypeError(f"evict expects a bool mask (True = evict), got {what}: compare scores with a threshold.")
+    if mask.dim() != 3 or tuple(mask.shape[:2]) != tuple(rows_heads):
+        raise ValueError(
+            f"evict expects a mask of shape (batch={rows_heads[0]}, kv_heads={rows_heads[1]}, n), "
+            f"got {tuple(mask.shape)}."
+        )
+    if isinstance(start, bool) or not isinstance(start, numbers.Integral):
+        raise TypeError(f"evict expects an int start position, got {type(start).__name__}.")
+    n_pos = mask.shape[-1]
+    if n_pos and (start < 0 or start + n_pos > seen):
+        raise ValueError(
+            f"evict covers positions {start}..{start + n_pos - 1}, but this layer has seen positions "
+            f"0..{seen - 1} only."
+        )

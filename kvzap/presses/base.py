@@ -34,7 +34,7 @@ from kvzap.attention import ATTENTION_NAME, bind, ensure_registered, unbind
 from kvzap.cache import PrunableLayer, own_window, prunable_layer_like
 from kvzap.compact import compact_layer_like
 from kvzap.layers import is_sliding_module
-from kvzap.presses.checks import as_bool, as_number, check_scores
+from kvzap.presses.checks import as_bool, as_number, check_number, check_score_shape, check_scores
 from kvzap.presses.padding import (
     _PAD_EVICTED,
     _PAD_MAX,
@@ -49,7 +49,17 @@ from kvzap.presses.stats import CompressionStats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Scorer", "BasePress", "STORAGES", "as_bool", "as_number", "check_scores", "pad_columns"]
+__all__ = [
+    "Scorer",
+    "BasePress",
+    "STORAGES",
+    "as_bool",
+    "as_number",
+    "check_number",
+    "check_score_shape",
+    "check_scores",
+    "pad_columns",
+]
 
 
 #: How evicted pairs are stored: "compact" frees them (per-head buffers, sliding-window layers stay masked);
@@ -85,6 +95,19 @@ class BasePress(CompressionStats, ABC):
     _local: threading.local = field(default_factory=lambda: _ThreadState(), init=False, repr=False, compare=False)
     _running: dict[nn.Module, tuple[int, int]] = field(default_factory=dict, init=False, repr=False, compare=False)
     _lock: Any = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A parameter set after construction (also inside `with press(model):`, where nothing validates again) is
+        # checked as strictly as the constructor checks it.
+        super().__setattr__(name, self._checked(name, value))
+
+    def _checked(self, name: str, value: Any) -> Any:
+        """``value`` checked for the parameter ``name`` (subclasses extend it); other names pass unchanged."""
+        if name == "storage" and not (isinstance(value, str) and value in STORAGES):
+            raise ValueError(f"storage must be one of {', '.join(map(repr, STORAGES))}, got {value!r}.")
+        if name == "prune_sliding_layers":
+            return as_bool("prune_sliding_layers", value)
+        return value
 
     # Locks and thread-local objects cannot be copied or pickled: a copy of a press starts with fresh ones.
     def __getstate__(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvzap.presses.base import Scorer, as_number
+from kvzap.presses.base import Scorer, as_number, check_number
 
 __all__ = ["RandomScorer", "KeyNormScorer", "RecencyScorer", "ConstantScorer"]
 
@@ -18,10 +18,15 @@ class RandomScorer(Scorer):
 
     seed: int = 0
 
+    def __setattr__(self, name: str, value) -> None:
+        # Checked at construction and when set later alike.
+        if name == "seed":
+            value = as_number("seed", value, integer=True)
+            if not 0 <= value < 2**63:  # what torch.Generator.manual_seed accepts without wrapping
+                raise ValueError(f"seed must be an int in [0, 2**63), got {value}.")
+        super().__setattr__(name, value)
+
     def __post_init__(self) -> None:
-        self.seed = as_number("seed", self.seed, integer=True)
-        if not 0 <= self.seed < 2**63:  # what torch.Generator.manual_seed accepts without wrapping
-            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed}.")
         self._generator = torch.Generator().manual_seed(self.seed)
 
     def setup(self, model) -> None:
@@ -56,8 +61,11 @@ class ConstantScorer(Scorer):
 
     value: float = 0.0
 
-    def __post_init__(self) -> None:
-        self.value = as_number("value", self.value)
+    def __setattr__(self, name: str, value) -> None:
+        # Checked at construction and when set later alike: a NaN score can be compared with no threshold.
+        if name == "value":
+            value = check_number("value", value)
+        super().__setattr__(name, value)
 
     def score(self, module: nn.Module, hidden_states, keys, values, positions) -> torch.Tensor:
         bsz, n_heads, q_len, _ = keys.shape

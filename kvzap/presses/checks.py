@@ -3,6 +3,7 @@ scorer, each refused with a sentence naming what was wrong."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ from torch import nn
 from kvzap import _compat
 from kvzap.presses.scorer import Scorer
 
-__all__ = ["as_number", "as_bool", "check_scores"]
+__all__ = ["as_number", "as_bool", "check_number", "check_score_shape", "check_scores"]
 
 
 def as_number(name: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> Any:
@@ -31,6 +32,38 @@ def as_number(name: str, value: Any, *, integer: bool = False, allow_none: bool 
     raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {type(value).__name__} ({value!r}).")
 
 
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    integer: bool = False,
+    allow_none: bool = False,
+    minimum: float | None = None,
+    finite: bool = False,
+    hint: str = "",
+) -> Any:
+    """:func:`as_number` with its range checked: never NaN, at least ``minimum``, and finite when ``finite``.
+
+    Raises
+    ------
+    TypeError
+        When ``value`` is not a number (see :func:`as_number`).
+    ValueError
+        When it is NaN, infinite (``finite=True``) or below ``minimum``; the message ends with ``hint``.
+    """
+    value = as_number(name, value, integer=integer, allow_none=allow_none)
+    if value is None:
+        return None
+    hint = f" {hint}" if hint else ""
+    if math.isnan(value):
+        raise ValueError(f"{name} is NaN: pass a number.{hint}")
+    if finite and math.isinf(value):
+        raise ValueError(f"{name} must be finite, got {value!r}.{hint}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}.{hint}")
+    return value
+
+
 def as_bool(name: str, value: Any) -> bool:
     """``value`` as a Python bool (numpy bools included), or a TypeError naming ``name``."""
     if isinstance(value, (bool, np.bool_)):
@@ -38,8 +71,39 @@ def as_bool(name: str, value: Any) -> bool:
     raise TypeError(f"{name} must be True or False, got {type(value).__name__} ({value!r}).")
 
 
-def check_scores(scores: torch.Tensor, scorer: Scorer, module: nn.Module) -> torch.Tensor:
-    """Refuse NaN scores: ``score < threshold`` is False for NaN, so they would silently evict nothing.
+def check_score_shape(scores: Any, scorer: Scorer, module: nn.Module, expected: tuple[int, ...]) -> torch.Tensor:
+    """Refuse scores that are not a real tensor of shape ``expected`` = ``(batch, kv_heads, tokens)``.
+
+    A scorer returning another shape (one head, one token, the heads last) would otherwise be broadcast against
+    the cache silently.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the scorer, the layer and the shape expected.
+    """
+    where = f"{type(scorer).__name__} (layer {_compat.layer_index(module)})"
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(
+            f"{where} returned a {type(scores).__name__}: Scorer.score must return a tensor of shape "
+            "(batch, kv_heads, tokens)."
+        )
+    if scores.dtype == torch.bool or scores.is_complex():
+        raise TypeError(f"{where} returned {scores.dtype} scores: return real numbers (higher = more important).")
+    if tuple(scores.shape) != tuple(expected):
+        raise ValueError(
+            f"{where} returned scores of shape {tuple(scores.shape)}, expected (batch, kv_heads, tokens) = "
+            f"{tuple(expected)}: one score per new KV pair (keys are (batch, kv_heads, tokens, head_dim))."
+        )
+    return scores
+
+
+def check_scores(
+    scores: Any, scorer: Scorer, module: nn.Module, expected: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """Refuse NaN scores (and, given ``expected``, scores of the wrong shape: :func:`check_score_shape`).
+
+    NaN is refused because ``score < threshold`` is False for NaN: NaN scores would silently evict nothing.
 
     One device sync per scorer call; presses call it where they already score a batch (a prefill, or up to 16
     decoded tokens), not on every decoding step.
@@ -49,6 +113,10 @@ def check_scores(scores: torch.Tensor, scorer: Scorer, module: nn.Module) -> tor
     ValueError
         Naming the scorer and the layer.
     """
+    if expected is not None:
+        check_score_shape(scores, scorer, module, expected)
+    elif not isinstance(scores, torch.Tensor):
+        raise TypeError(f"{type(scorer).__name__} returned a {type(scores).__name__}: scores must be a tensor.")
     if bool(torch.isnan(scores).any()):
         raise ValueError(
             f"{type(scorer).__name__} returned NaN scores for layer {_compat.layer_index(module)}: NaN cannot be "

@@ -71,9 +71,6 @@ class KVzipPlusScorer(Scorer):
                 f"tokenizer must be a transformers tokenizer (AutoTokenizer.from_pretrained(...)) or None, "
                 f"got {type(tokenizer).__name__}."
             )
-        chunk_size = as_number("chunk_size", chunk_size, integer=True)
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size
         self._resolved: PreTrainedTokenizerBase | None = tokenizer
@@ -82,6 +79,14 @@ class KVzipPlusScorer(Scorer):
         self._running = False
         self._users = 0  # presses currently applied with this scorer (their `with` blocks are open)
         self._lock = threading.Lock()
+
+    def __setattr__(self, name: str, value) -> None:
+        # Checked at construction and when set later alike.
+        if name == "chunk_size":
+            value = as_number("chunk_size", value, integer=True)
+            if value < 1:
+                raise ValueError(f"chunk_size must be a positive int, got {value!r}.")
+        super().__setattr__(name, value)
 
     def __repr__(self) -> str:
         tokenizer = "None" if self.tokenizer is None else type(self.tokenizer).__name__

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -43,7 +44,10 @@ class SurrogateScorer(Scorer):
             )
         self.surrogate = surrogate
         self.source: str | None = None  # where the weights were loaded from, once resolved
+        # The weights as given or read (never changed: a caller's module stays theirs, and a second model of another
+        # dtype is placed from these, not from a copy rounded to the first one's dtype), and their placed copy.
         self._loaded = surrogate if isinstance(surrogate, self.module_class) else None
+        self._placed: nn.Module | None = None
         self._loaded_for: str | None = None
         self._placement: tuple | None = None
         self._users = 0  # presses currently applied with this scorer (their `with` blocks are open)
@@ -113,7 +117,8 @@ class SurrogateScorer(Scorer):
 
     def _setup(self, model: PreTrainedModel, name: str, placement: tuple) -> None:
         if self._loaded is None or (not isinstance(self.surrogate, self.module_class) and self._loaded_for != name):
-            self._loaded = self._resolve(name, self._expected_config(model))
+            # Read from files by the scorer, so its own: inference only (placed layers share it where they can).
+            self._loaded = self._resolve(name, self._expected_config(model)).eval().requires_grad_(False)
             self._loaded_for = name
             self._placement = None
             logger.info("%s loaded from %s", self._describe(), self.source)
@@ -125,9 +130,7 @@ class SurrogateScorer(Scorer):
             check_finite(self._loaded, self.source or "the module passed")
         # Place each layer's module next to its attention layer, once (not on every call).
         if placement != self._placement:
-            self._loaded.eval().requires_grad_(False)
-            for layer_module, (device, dtype) in zip(self._loaded.layers, placement, strict=True):
-                layer_module.to(device=device, dtype=dtype)
+            self._placed = _placed(self._loaded, placement)
             self._placement = placement
 
     def release(self) -> None:
@@ -137,7 +140,26 @@ class SurrogateScorer(Scorer):
     # --- scoring ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def score(self, module: nn.Module, hidden_states, keys, values, positions) -> torch.Tensor:
-        if self._loaded is None:
+        if self._placed is None:
             raise RuntimeError(f"{type(self).__name__}.setup(model) must run first (applying a press does it).")
-        scores = self._loaded(hidden_states, _compat.layer_index(module))  # (B, q, H)
+        scores = self._placed(hidden_states, _compat.layer_index(module))  # (B, q, H)
         return scores.transpose(1, 2)  # (B, H, q)
+
+
+def _placed(module: nn.Module, placement: tuple) -> nn.Module:
+    """``module`` with layer ``i`` on ``placement[i] = (device, dtype)``, leaving ``module`` itself unchanged.
+
+    Layers already in place are shared, not copied (a CPU float32 model with float32 weights costs nothing): the
+    surrogates hold no dropout or batch norm, and scoring runs without gradients, so neither their mode nor their
+    ``requires_grad`` changes a score. The others are copied, for inference only (eval mode, no gradients).
+    """
+    layers = []
+    for layer, (device, dtype) in zip(module.layers, placement, strict=True):
+        if all(p.device == device and p.dtype == dtype for p in layer.parameters()):
+            layers.append(layer)
+        else:
+            layers.append(copy.deepcopy(layer).to(device=device, dtype=dtype).eval().requires_grad_(False))
+    placed = copy.copy(module)  # a shallow copy: the same config and buffers, its own list of layers
+    placed._modules = dict(module._modules)
+    placed._modules["layers"] = nn.ModuleList(layers)
+    return placed

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from kvzap.cache import PrunableLayer
-from kvzap.presses.base import BasePress, Scorer, as_bool, as_number, check_scores, pad_columns
+from kvzap.presses.base import BasePress, Scorer, as_bool, as_number, check_score_shape, check_scores, pad_columns
 
 __all__ = ["DMSThresholdPress"]
 
@@ -61,18 +61,30 @@ class DMSThresholdPress(BasePress):
     def __post_init__(self) -> None:
         self.validate()
 
-    def __setattr__(self, name, value) -> None:
-        # Setting a parameter after construction is checked as strictly as the constructor; numpy scalars become
-        # Python numbers (so that the repr identifies a run).
-        if name == "threshold":
-            value = as_number("threshold", value, allow_none=True)
+    def _checked(self, name: str, value):
+        # Setting a parameter after construction is checked as strictly as the constructor (also inside
+        # `with press(model):`); numpy scalars become Python numbers (so that the repr identifies a run).
+        if name == "scorer":
+            if not isinstance(value, Scorer):
+                raise TypeError(
+                    f"scorer must be a kvzap Scorer (e.g. KVzapScorer(model_type='mlp')), got {type(value).__name__}."
+                )
+            if self.__dict__.get("decoding"):
+                self._check_decoding(value)
+        elif name == "threshold":
+            # None only as the constructor's default, which validate() then refuses with how to fix it.
+            value = as_number("threshold", value, allow_none="threshold" not in self.__dict__)
+            if value is not None and math.isnan(value):
+                raise ValueError("threshold is NaN; use a finite number, or -inf to evict nothing.")
         elif name == "sliding_window_size":
             value = as_number("sliding_window_size", value, integer=True)
+            if value < 0:
+                raise ValueError(f"sliding_window_size must be >= 0, got {value}.")
         elif name == "decoding":
             value = as_bool("decoding", value)
             if value and "scorer" in self.__dict__:
                 self._check_decoding(self.scorer)
-        super().__setattr__(name, value)
+        return super()._checked(name, value)
 
     @staticmethod
     def _check_decoding(scorer: Scorer) -> None:
@@ -234,6 +246,8 @@ class DMSThresholdPress(BasePress):
             values = torch.cat([v for _, _, v in unscored], dim=2)
         positions = torch.arange(first, first + hidden.shape[1], device=hidden.device)
         scores = self.scorer.score(module, hidden, keys, values, positions)
+        # Checked before anything broadcasts them: (B, H, 1) scores would otherwise decide for every token.
+        check_score_shape(scores, self.scorer, module, (keys.shape[0], keys.shape[1], hidden.shape[1]))
         pad = pad_columns(layer, first, hidden.shape[1])
         if pad is not None:
             scores = scores.masked_fill(pad[:, None, :].to(scores.device), 0.0)

@@ -42,6 +42,16 @@ class TopKPress(BasePress):
         if not 0 <= ratio < 1:  # also False for NaN
             raise ValueError(f"target_compression must be a number in [0, 1), got {ratio!r}.")
 
+    def _checked(self, name: str, value):
+        # Also inside `with press(model):`, where nothing validates again.
+        if name == "target_compression":
+            value = as_number("target_compression", value)
+            if not 0 <= value < 1:  # also False for NaN
+                raise ValueError(f"target_compression must be a number in [0, 1), got {value!r}.")
+        elif name == "scorer" and "scorer" in self.__dict__ and not isinstance(value, Scorer):
+            raise TypeError(f"scorer must be a kvzap Scorer, got {type(value).__name__}.")
+        return super()._checked(name, value)
+
     def setup(self, model) -> None:
         self.scorer.setup(model)
 
@@ -52,7 +62,8 @@ class TopKPress(BasePress):
         n_evict = int(q_len * self.target_compression)
         if n_evict > 0:
             scores = self.scorer.score_new_pairs(module, layer, hidden_states)  # (B, H, q)
-            check_scores(scores, self.scorer, module)
+            keys = layer.last_keys
+            check_scores(scores, self.scorer, module, (keys.shape[0], keys.shape[1], q_len))
             lowest = scores.topk(n_evict, dim=-1, largest=False).indices  # (B, H, n_evict)
             mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, lowest, True)
             layer.evict(layer.seen - q_len, mask)

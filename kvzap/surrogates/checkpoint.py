@@ -139,6 +139,11 @@ def resolve_checkpoint_files(
         If the local directory lacks a file, or the Hub is unreachable, the repo, revision or file does
         not exist, or the repo id is invalid.
     """
+    if not isinstance(path_or_repo_id, (str, os.PathLike)) or not str(path_or_repo_id).strip():
+        raise TypeError(
+            f"path_or_repo_id must be a local directory or a Hub repo id ('owner/name'), got "
+            f"{type(path_or_repo_id).__name__} ({path_or_repo_id!r}). {_HOW_TO_FIX}"
+        )
     local = Path(path_or_repo_id).expanduser()
     try:
         is_dir, exists = local.is_dir(), local.exists()
