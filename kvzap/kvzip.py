@@ -1,5 +1,8 @@
 """The KVzip+ scores of a context: one forward pass of the "repeat" prompt, scored inside attention.
 
+One concern, at this length: the repeat prompt, the registered attention function that scores inside it, and the
+checks of what a caller hands in all serve one forward pass whose state (the scores being filled) they share.
+
 For a context ``x`` the model reads the chat ``user: x + "Repeat the previous context exactly."`` /
 ``assistant: x``. While it re-reads its own copy of ``x``, the attention that each repeated token pays
 to the original tokens tells how much each original KV pair is needed to reconstruct the context
