@@ -14,6 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESEARCH = ROOT / "research"
+if not RESEARCH.is_dir():  # an sdist holds the tests but, by design, not the studies
+    pytest.skip("research/ lives in the repository only", allow_module_level=True)
 STUDIES = sorted(p for p in RESEARCH.iterdir() if p.is_dir())
 
 
@@ -36,8 +38,26 @@ def test_no_scripts_in_research_or_train_results():
 
 
 def test_research_is_not_packaged():
-    setuptools = (ROOT / "pyproject.toml").read_text().split("[tool.setuptools]", 1)[1].split("\n[tool.pytest", 1)[0]
-    assert "packages = [" in setuptools
-    assert "research" not in setuptools
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dir = setuptools.get("package-dir", {})
+
+    def folder(package: str) -> str:  # as setuptools maps it: the longest listed parent, then the rest as folders
+        parts = package.split(".")
+        for cut in range(len(parts), 0, -1):
+            if ".".join(parts[:cut]) in package_dir:
+                return "/".join([package_dir[".".join(parts[:cut])], *parts[cut:]])
+        return "/".join(parts)
+
+    # Every package is a folder outside research/ (kvzap.train is train/, which holds no results folder) ...
+    for name in setuptools["packages"]:
+        folder_ = folder(name)
+        assert (ROOT / folder_ / "__init__.py").is_file(), name
+        assert not folder_.startswith(("research", "train/results")), name
+    # ... and the package data stays inside the package.
+    for name, patterns in setuptools["package-data"].items():
+        for pattern in patterns:
+            assert ".." not in pattern and "research" not in pattern and "results" not in pattern, (name, pattern)
+    # The sdist (MANIFEST.in) leaves out the studies and the recorded results.
     manifest = (ROOT / "MANIFEST.in").read_text().splitlines()
-    assert "prune research" in manifest
+    assert {"prune research", "prune benchmarks", "prune evaluation/results"} <= set(manifest)

@@ -51,7 +51,7 @@ def test_the_variant_predicts_the_mean_of_its_members():
 
 
 def test_its_accuracy_runs_read_these_very_weights():
-    """The accuracy figures quoted for the variant (ensemble README, sections 4-10) are the shipped file's."""
+    """The accuracy figures quoted for the variant (its model card, its study) are the shipped file's."""
     from evaluation.presses import weights_fingerprint
 
     runs = sorted((ROOT / "research/smollm2-135m-ensemble/second_suite").glob("HGpref_*/config.json"))
