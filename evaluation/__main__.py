@@ -1,8 +1,9 @@
-"""``python -m evaluation``: run a sweep, or ``plot``/``summarize`` its results (see ``--help``)."""
+"""``python -m evaluation``: run a sweep, or ``plot``/``summarize``/``compare``/``errors`` its results (see
+``--help`` and :mod:`evaluation.cli`)."""
 
 import sys
 
-from .runner import main
+from .cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

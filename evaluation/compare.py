@@ -21,14 +21,20 @@ different ones (another seed), and each side must run the same press, value and 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from .intervals import paired_difference
-from .runner import PARTIAL, SAMPLES, _read_partial, _sample_key
+from .rundirs import (  # re-exported: the reports and evaluation.tables read run directories through them
+    read_config,
+    read_predictions,
+    read_run,
+    read_sample_fingerprints,
+    sample_key,
+    sample_settings,
+)
 
 __all__ = [
     "read_predictions",
@@ -42,63 +48,6 @@ __all__ = [
     "format_comparison",
     "main",
 ]
-
-
-def read_predictions(run_dir: str | Path) -> tuple[list[dict[str, Any]], bool]:
-    """The rows a run directory's predictions hold (every column; ``answers`` a list of str) and whether the run
-    is finished: its ``predictions.csv``, else its ``predictions.partial.jsonl``; raises FileNotFoundError when the
-    directory holds neither."""
-    run_dir = Path(run_dir)
-    finished = run_dir / "predictions.csv"
-    if finished.is_file():
-        with finished.open(newline="", encoding="utf-8") as handle:
-            rows = list(csv.DictReader(handle))
-        for row in rows:
-            row["answers"] = json.loads(row["answers"])
-        return rows, True
-    partial = run_dir / PARTIAL
-    if partial.is_file():
-        return list(_read_partial(partial).values()), False
-    raise FileNotFoundError(
-        f"{run_dir} holds no predictions.csv nor predictions.partial.jsonl: give a run directory of "
-        "`python -m evaluation` (one per press, value and length, under <output-dir>/<model>/)."
-    )
-
-
-def read_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], bool]:
-    """The sample rows of a run directory (``task``, ``id``, ``score``, ``compression_ratio``) and whether the run
-    is finished (:func:`read_predictions`)."""
-    rows, finished = read_predictions(run_dir)
-    return [_row(r) for r in rows], finished
-
-
-def _row(row: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "task": row["task"],
-        "id": str(row["id"]),
-        "score": float(row["score"]),
-        "compression_ratio": float(row["compression_ratio"]),
-    }
-
-
-def sample_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The settings of a run's ``config.json`` that decide what its samples are, beyond their ids: the dataset,
-    where it was read (``source``), the length and the context budget; for generated samples (``source`` None:
-    the offline RULER generator) also the seed, the haystack text and the model, whose tokenizer fills the
-    haystack; for samples truncated to ``max_context_length``, the model too. Settings a config lacks (runs of
-    older versions) are left out."""
-    keys = ["dataset", "source", "length", "max_context_length"]
-    if config.get("source") is None:
-        keys += ["seed", "haystack", "model"]
-    elif config.get("max_context_length") is not None:
-        keys.append("model")
-    return {key: config[key] for key in keys if key in config}
-
-
-def read_config(run: str | Path) -> dict[str, Any] | None:
-    """A run directory's ``config.json``, or None when it has none (runs of older versions)."""
-    path = Path(run) / "config.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def _differing_settings(run_a: Path, run_b: Path) -> list[str]:
@@ -127,13 +76,6 @@ def press_settings(config: dict[str, Any]) -> dict[str, Any]:
     """The settings of a run's ``config.json`` that decide what answered its samples (:data:`PRESS_SETTINGS`),
     as far as the config has them."""
     return {key: config[key] for key in PRESS_SETTINGS if key in config}
-
-
-def read_sample_fingerprints(run: str | Path) -> dict[str, str] | None:
-    """A run directory's ``samples.json`` (``task/id`` -> fingerprint of the sample's prompt and answers, written by
-    :func:`evaluation.runner.sample_fingerprints`), or None when it has none (runs of older versions)."""
-    path = Path(run) / SAMPLES
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def _check_same_samples(run_a: Path, run_b: Path, keys: set[str]) -> None:
@@ -166,7 +108,7 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
     many paired samples each run scored higher (``higher_a``, ``higher_b``; overall, their sums).
 
     Raises ValueError when the runs did not answer the same samples: by their sample fingerprints
-    (``samples.json``, :func:`evaluation.runner.sample_fingerprints`) where both runs wrote them, else by their
+    (``samples.json``, :func:`evaluation.rundirs.sample_fingerprints`) where both runs wrote them, else by their
     ``config.json`` (:func:`sample_settings`)."""
     return compare_pooled([(run_a, run_b)])
 
@@ -225,7 +167,7 @@ def compare_pooled(pairs: list[tuple[str | Path, str | Path]]) -> dict[str, Any]
         rows_b, done_b = read_run(run_b)
         finished["a"] &= done_a
         finished["b"] &= done_b
-        keys = {_sample_key(r) for r in rows_a} & {_sample_key(r) for r in rows_b}
+        keys = {sample_key(r) for r in rows_a} & {sample_key(r) for r in rows_b}
         _check_same_samples(run_a, run_b, keys)
         prefix = f"{index}:" if len(paths) > 1 else ""
         for rows, by in ((rows_a, by_a), (rows_b, by_b)):

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import ruler
-from .compare import read_config, read_predictions
+from .rundirs import read_config, read_predictions
 
 __all__ = ["OUTCOMES", "classify_answer", "needle_errors", "format_errors", "main"]
 

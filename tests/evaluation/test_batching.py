@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from evaluation.runner import interleave_tasks, load_config, main, plan_batches, run_evaluation
+from evaluation.cli import main
+from evaluation.runner import interleave_tasks, load_config, plan_batches, run_evaluation
 from kvzap.pipeline import KVPressTextGenerationPipeline
 from tests.conftest import char_tokenizer, tiny_model
 

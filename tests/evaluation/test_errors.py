@@ -5,9 +5,9 @@ import json
 import pytest
 
 from evaluation import ruler
+from evaluation.cli import main as evaluation_main
 from evaluation.errors import classify_answer, format_errors, needle_errors
 from evaluation.runner import PARTIAL, _write_predictions
-from evaluation.runner import main as evaluation_main
 from tests.conftest import char_tokenizer
 
 LENGTH = 1200  # characters = tokens with the char tokenizer

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from evaluation.benchmarks import BENCHMARKS, LoadRequest
+from evaluation.cli import main
 from evaluation.compare import compare_pooled, compare_runs, sample_settings
 from evaluation.intervals import run_intervals
 from evaluation.metrics import last_boxed, normalize_integer_answer, sample_score
@@ -20,7 +21,6 @@ from evaluation.ruler import TASKS, generate_samples
 from evaluation.runner import (
     EvalConfig,
     load_config,
-    main,
     plan_runs,
     run_dir,
     run_evaluation,

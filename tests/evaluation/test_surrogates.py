@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
+from evaluation.cli import main
 from evaluation.presses import PRESSES
-from evaluation.runner import RunSpec, load_config, main, run_dir
+from evaluation.runner import RunSpec, load_config, run_dir
 from kvzap.surrogates import KVzapSurrogate
 from tests.conftest import char_tokenizer, tiny_model
 
