@@ -77,8 +77,8 @@ def measure(model, prompt: torch.Tensor, mode: str, baseline: dict[int, int], ar
 RSS_VARIANTS = {
     "none": ("none", [], {}),
     "compact": ("compact", [], {}),
-    # The same giving freed memory back by heap trims only (session 6's kvzap.heap), and not at all: what glibc
-    # alone does.
+    # The same giving freed memory back by heap trims only (no pages), after every layer, and not at all: what
+    # glibc alone does.
     "compact_trim_only": ("compact", ["--heap-release", "trim"], {}),
     "compact_trim_every_layer": ("compact", ["--heap-release", "trim_every_layer"], {}),
     "compact_no_heap_release": ("compact", ["--heap-release", "off"], {}),

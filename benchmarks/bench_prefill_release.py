@@ -5,7 +5,7 @@ alike), medians, and ratios against no press: the median of each run's ratio (``
 the medians is kept as ``ratio_of_medians``). Modes: ``none`` (no press), and kvzap
 compact with each way of ``benchmarks.common.HEAP_RELEASE``: ``pages`` (the default: the dropped pairs' own
 pages, and a heap trim when resident memory outgrows the pools by 32 MiB), ``trim`` (the same trims, no pages),
-``trim_every_layer`` (session 6), ``off`` (freed memory stays in the allocator). Prefill only
+``trim_every_layer`` (a trim after every layer), ``off`` (freed memory stays in the allocator). Prefill only
 (``model(ids, logits_to_keep=1)`` with a cache, as ``generate`` prefills: full logits would add a vocabulary-sized
 matmul per token that dilutes the ratios), DMS threshold press with the model's bundled KVzap-MLP (``--threshold
 -3.4`` evicts ~2/3 of SmolLM2-135M's pairs); without ``--model``, a random-weight Llama sized like SmolLM2-135M with

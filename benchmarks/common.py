@@ -11,7 +11,9 @@ import json
 import os
 import platform
 import resource
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +39,8 @@ SMOLLM2_135M = dict(
 
 # How dropped host memory goes back to the system (kvzap.heap.set_heap_release): the default (the dropped pairs'
 # own pages, and a heap trim when resident memory outgrows the pools by 32 MiB), trims only, a trim after every
-# layer (session 6), or nothing (freed memory stays in the allocator).
+# layer (each trim makes the next layer fault its pages in again: the cost the default's rule avoids), or nothing
+# (freed memory stays in the allocator).
 HEAP_RELEASE = {
     "pages": {},
     "trim": {"pages": False},
@@ -223,14 +226,40 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
 
 
+def _commit() -> str | None:
+    """The checkout's short commit, ``-dirty`` when tracked files differ from it; None outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True)
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def command_line() -> str:
+    """How this process was started, as a reader would retype it (``python -m benchmarks.NAME ...``)."""
+    script = Path(sys.argv[0])
+    start = f"python -m benchmarks.{script.stem}" if script.parent.name == "benchmarks" else f"python {sys.argv[0]}"
+    return " ".join([start, shlex.join(sys.argv[1:])]).strip()
+
+
 def meta(**extra) -> dict:
+    """What a reader needs to reproduce a results file: the software, the machine, and the date, commit and
+    command of the run (BENCHMARKS.md prints them above every table)."""
     gpu = {"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}
     return {
         **gpu,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
         "machine": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "commit": _commit(),
+        "command": command_line(),
         **extra,
     }

@@ -1,354 +1,284 @@
-"""Markdown tables for BENCHMARKS.md from the JSON files written by ``run_all.sh``."""
+"""Every table of BENCHMARKS.md, printed from the committed results files.
+
+Each table is a *block*: a line saying which run it comes from (machine, date, commit, command, raw results file:
+what a reader needs to reproduce it), the table, and sometimes a line or two that judge it against its goal. A
+block is printed between two marker comments, ``<!-- report: NAME -->`` and ``<!-- /report -->``; BENCHMARKS.md
+carries the same markers around the same text, and ``tests/test_benchmarks_doc.py`` checks that every table of
+the document sits in a block equal to what this script prints, so that no figure is copied by hand::
+
+    python -m benchmarks.report [--results benchmarks/results]   # every block, in the document's order
+    python -m benchmarks.report --update BENCHMARKS.md            # rewrite the document's blocks in place
+
+A block whose results files are missing is left out (``run_all.sh`` prints the blocks of the files it wrote).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
-import statistics
-import sys
+import re
+from collections.abc import Callable
 from pathlib import Path
 
-MB = 2**20
+from benchmarks.report_common import MB, Results, _paired
+from benchmarks.report_inference import (
+    BATCH_GOALS,
+    _gemma_rows,
+    _rss_goal,
+    batch_block,
+    decode_block,
+    fixed_cost_block,
+    gemma_decode_block,
+    gemma_suite_memory_block,
+    memory_block,
+    no_eviction_block,
+    prefill_block,
+    prefill_release_block,
+    rss_block,
+    rss_variants_block,
+    scorers_block,
+)
+from benchmarks.report_training import FIT_RUNS, collect_block, fit_memory_block, fit_time_block, gemma_collect_block
+
+BEGIN, END = "<!-- report: {} -->", "<!-- /report -->"
+BLOCK = re.compile(r"<!-- report: ([\w-]+) -->\n(.*?)\n<!-- /report -->", re.S)
 
 
-def _load(directory: Path, name: str) -> dict | None:
-    path = directory / name
-    return json.loads(path.read_text()) if path.exists() else None
+# --- At a glance ------------------------------------------------------------------------------------------------
 
 
-def _runs(entry: dict) -> str:
-    return f"{entry['median_mb']:.0f} MB ({', '.join(f'{v:.0f}' for v in entry['runs_mb'])})"
+def _glance_rows(res: Results) -> list[tuple[str, str, str, str]]:
+    """(what, measured, against, section) from the same files as the sections' tables; a row whose files are
+    missing is left out."""
+    rows = []
+    memory = res.load("memory.json")
+    if memory and memory["results"]:
+        compact = {r["prefill_tokens"]: r for r in memory["results"] if r["mode"] == "compact"}
+        (short, s), (long, lo) = min(compact.items()), max(compact.items())
 
+        def after(r):
+            return r["held_after_decode"] / r["full_bytes_decode"]
 
-def _rss_lines(memory: dict) -> list[str]:
-    """Peak RSS paragraphs of ``memory.json``: the default allocator, then glibc with a fixed mmap threshold."""
-    m, lines = memory["meta"], []
-    for key, allocator in (
-        ("peak_rss", "glibc's default allocator"),
-        ("peak_rss_mmap", "`MALLOC_MMAP_THRESHOLD_=65536` (every tensor of 64 KiB or more unmapped when freed)"),
-    ):
-        rss = memory.get(key)
-        if not rss or "none" not in rss or "compact" not in rss:
-            continue
-        evicted = statistics.mean(rss["compact"]["evicted_share"])
-        saved = rss["none"]["median_mb"] - rss["compact"]["median_mb"]
-        goal = 0.8 * evicted * m["rss_full_bytes"] / MB
-        text = (
-            f"Peak RSS of {m['rss_prompt']}-token prefill + {m['rss_decode']} decoded tokens, {allocator}, median of "
-            f"{len(rss['none']['runs_mb'])} fresh processes per mode: no press {_runs(rss['none'])}, kvzap compact "
-            f"{_runs(rss['compact'])}, {evicted:.1%} evicted: **{abs(saved):.0f} MB "
-            f"{'lower' if saved >= 0 else 'higher'}** (goal: lower by >= 0.8 x evicted x full KV = {goal:.0f} MB: "
-            f"{'met' if saved >= goal else 'not met'})."
+        def peak(r):
+            return r["prefill_peak_extra"] / r["full_bytes_prefill"]
+
+        rows.append(
+            (
+                f"KV memory, SmolLM2-135M, ~{lo['evicted_after_prefill']:.0%} of pairs evicted, after "
+                f"{memory['meta']['decode_tokens']} decoded tokens",
+                f"**{after(s):.2f}** of the full cache at {short // 1024}k, **{after(lo):.2f}** at {long // 1024}k "
+                f"({lo['held_after_prefill'] / MB:.0f} of {lo['full_bytes_prefill'] / MB:.0f} MiB after the "
+                f"{long // 1024}k prefill)",
+                "no press, same tokens",
+                "[KV memory](#kv-memory-measured-from-outside)",
+            )
         )
-        if "compact_trim_only" in rss:
-            text += (
-                " kvzap compact giving freed memory back by heap trims only "
-                f"(`kvzap.heap.set_heap_release(pages=False)`): {_runs(rss['compact_trim_only'])}."
+        goal = max(1 - r["evicted_after_prefill"] for r in compact.values()) + 1 / memory["meta"]["num_layers"] + 0.05
+        rows.append(
+            (
+                "Peak memory of a dense prefill (outside measure, at every layer's exit)",
+                f"{peak(s):.2f} of the full cache at {short // 1024}k, {peak(lo):.2f} at {long // 1024}k",
+                f"goal: kept share + 1/{memory['meta']['num_layers']} + 0.05 = {goal:.2f}",
+                "[KV memory](#kv-memory-measured-from-outside)",
             )
-        if "compact_no_heap_release" in rss:
-            text += (
-                " kvzap compact without giving freed memory back to the system "
-                f"(`kvzap.heap.set_heap_release(None, pages=False)`): {_runs(rss['compact_no_heap_release'])}."
+        )
+        rss = memory.get("peak_rss", {})
+        if "none" in rss and "compact" in rss:
+            saved, _, goal_mb = _rss_goal(rss, memory["meta"])
+            m = memory["meta"]
+            rows.append(
+                (
+                    f"Peak RSS, {m['rss_prompt'] // 1024}k prefill + {m['rss_decode']} tokens",
+                    f"{rss['compact']['median_mb']:.0f} MB against {rss['none']['median_mb']:.0f} MB: "
+                    f"**{saved:.0f} MB lower**",
+                    f"goal: >= {goal_mb:.0f} MB lower",
+                    "[KV memory](#kv-memory-measured-from-outside)",
+                )
             )
-        lines += ["", text]
-    return lines
-
-
-def _prefill_release_lines(bench: dict | None) -> list[str]:
-    """Prefill time of kvzap's ways of giving freed memory back against no press (``prefill_release.json``)."""
-    if not bench:
-        return []
-    names = {
-        "pages": "kvzap (default: pages + RSS-triggered trims)",
-        "trim": "trims only",
-        "trim_every_layer": "a trim after every layer",
-        "off": "no release",
-    }
-    paired = all("ratio_runs" in row for row in bench["results"])
-    how = "the median of each run's ratio to no press" if paired else "ratio to no press in the same run"
-    lines = [
-        "",
-        f"Prefill only (`benchmarks/bench_prefill_release.py`, `logits_to_keep=1` as `generate` prefills), median of "
-        f"{bench['meta']['runs']} runs, {how} (goal for kvzap: <= 1.05x):",
-        "",
-    ]
-    for row in bench["results"]:
-        ratios = row["ratio_to_none"]
-        parts = [f"no press {row['median_s']['none']:.2f} s"] + [
-            f"{names.get(mode, mode)} {ratio:.3f}x" for mode, ratio in ratios.items() if mode != "none"
-        ]
-        lines.append(f"- {row['prefill_tokens']} tokens: " + ", ".join(parts))
-    return lines
-
-
-def _paired(row: dict, mode: str, key: str) -> float:
-    """``mode``'s ``key`` over no press's: the median of each run's ratio when the run recorded them (sweep()),
-    else the ratio of the medians (files of earlier runs)."""
-    paired = row.get(f"{mode}_{key}_ratio")
-    return paired if paired is not None else row[f"{mode}_{key}"] / row[f"none_{key}"]
-
-
-def report(directory: Path) -> str:
-    kvzap, kvpress = _load(directory, "kvzap.json"), _load(directory, "kvpress.json")
-    lines = []
-    if kvzap:
-        m = kvzap["meta"]
-        lines += [
-            f"Model: `{Path(m['model']).name}`, {m['dtype']}, {m['threads']} threads, threshold {m['threshold']}, "
-            f"window {m['window']}, decoding-time pruning {'on' if m['decoding_pruning'] else 'off'}, "
-            f"{m['decode_tokens']} decoded tokens, median of {m['runs']} runs"
-            + (
-                " (ratios: the median of each run's ratio, the modes alternating inside a run)"
-                if "compact_decode_tok_s_ratio" in kvzap["results"][0]
-                else ""
+    decode, kvpress = res.load("decode.json"), res.load("decode_kvpress.json")
+    if decode:
+        r = decode["results"]
+        ctx = " / ".join(f"{x['prefill_tokens'] // 1024}k" for x in r)
+        ratios = " / ".join(f"{_paired(x, 'compact', 'decode_tok_s'):.2f}x" for x in r)
+        theirs = ""
+        if kvpress:
+            k = [_paired(x, "kvpress", "decode_tok_s") for x in kvpress["results"]]
+            theirs = f"; kvpress 0.5.5 {min(k):.2f}-{max(k):.2f}x"
+        rows.append(
+            (
+                "Decode speed, SmolLM2-135M",
+                f"**{ratios}** no press at {ctx}{theirs}",
+                "no press, same run",
+                "[Decoding speed](#decoding-speed)",
             )
-            + f"; torch {m['torch']}, "
-            f"transformers {m['transformers']}"
-            + (f" (kvpress: transformers {kvpress['meta']['transformers']})" if kvpress else "")
-            + ".",
-            "",
-            "| context | evicted | KV after prefill / full: kvzap compact, masked, kvpress "
-            "| decode tok/s: none, kvzap, kvpress | kvzap / none | kvpress / none "
-            "| prefill s: none, kvzap | kvzap / none |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        theirs = {r["prefill_tokens"]: r for r in kvpress["results"]} if kvpress else {}
-        for r in kvzap["results"]:
-            t = theirs.get(r["prefill_tokens"])
-            full = r["full_kv_bytes"]
-            kvp_mem = f"{t['kvpress_kv_bytes_after_prefill'] / full:.2f}" if t else "-"
-            kvp_tok = f"{t['kvpress_decode_tok_s']:.2f}" if t else "-"
-            kvp_ratio = f"{_paired(t, 'kvpress', 'decode_tok_s'):.2f}x" if t else "-"
-            lines.append(
-                f"| {r['prefill_tokens']} | {r['compact_evicted_share']:.1%} "
-                f"| {r['compact_kv_bytes_after_prefill'] / full:.2f} ({r['compact_kv_bytes_after_prefill'] / MB:.0f} "
-                f"of {full / MB:.0f} MB), {r['masked_kv_bytes_after_prefill'] / full:.2f}, {kvp_mem} "
-                f"| {r['none_decode_tok_s']:.2f}, {r['compact_decode_tok_s']:.2f}, {kvp_tok} "
-                f"| **{_paired(r, 'compact', 'decode_tok_s'):.2f}x** | {kvp_ratio} "
-                f"| {r['none_prefill_s']:.2f}, {r['compact_prefill_s']:.2f} "
-                f"| {_paired(r, 'compact', 'prefill_s'):.2f}x |"
+        )
+        pre = [_paired(x, "compact", "prefill_s") for x in r]
+        release = res.load("prefill_release.json")
+        extra = ""
+        if release:
+            quiet = [row["ratio_to_none"]["pages"] for row in release["results"] if "pages" in row["ratio_to_none"]]
+            extra = f"; prefill only, quiet: {' / '.join(f'{q:.3f}x' for q in quiet)}"
+        rows.append(
+            (
+                "Prefill time",
+                f"{min(pre):.2f}-{max(pre):.2f}x no press in the decoding run{extra}",
+                "goal: <= 1.05x",
+                "[Prefill time](#prefill-time)",
             )
-    inf = _load(directory, "kvzap_no_eviction.json")
-    if inf:
-        lines += [
-            "",
-            "Threshold -inf (nothing can be evicted: nothing is scored; compact layers still read their blocks):",
-            "",
-        ]
-        for r in inf["results"]:
-            lines.append(
-                f"- {r['prefill_tokens']} tokens: decode {r['compact_decode_tok_s']:.2f} vs "
-                f"{r['none_decode_tok_s']:.2f} tok/s (**{_paired(r, 'compact', 'decode_tok_s'):.2f}x**), prefill "
-                f"{_paired(r, 'compact', 'prefill_s'):.2f}x"
+        )
+    batch = res.load("batch.json")
+    if batch:
+        ways = {x["way"]: x for x in batch["results"]}
+        k, lengths = ways["batched_kvzap"], batch["meta"]["lengths"]
+        rows.append(
+            (
+                f"Ragged batch, {len(lengths)} prompts of {min(lengths) // 1024}k-{max(lengths) // 1024}k tokens",
+                f"decode **{k['decode_vs_batched_none']:.2f}x** the batch without a press, "
+                f"**{k['decode_vs_one_at_a_time']:.2f}x** kvzap one prompt at a time; KV "
+                f"{k['kv_bytes_after_decode'] / batch['meta']['full_kv_bytes']:.2f} of the full cache",
+                f"goals: {BATCH_GOALS[0][1]}x and {BATCH_GOALS[1][1]}x",
+                "[Ragged batches](#ragged-batches)",
             )
-    lines += _overhead_lines(_load(directory, "overhead.json"), _load(directory, "overhead_prompt_only.json"))
-    lines += _prefill_release_lines(_load(directory, "prefill_release.json"))
-    peaks = {mode: _load(directory, f"peak_{mode}.json") for mode in ("none", "compact", "compact_chunked", "kvpress")}
-    if any(peaks.values()):
-        rows = {mode: peak["results"][0] for mode, peak in peaks.items() if peak}
-        lines += [
-            "",
-            "Peak process memory (max RSS), 8k-token prefill + 256 decoded tokens, one fresh process each (KV measured "
-            "from outside):",
-            "",
-            "| run | peak RSS (MB) | KV after decoding (MB) |",
-            "|---|---|---|",
-        ]
-        chunk = peaks["compact_chunked"]["meta"].get("prefill_chunk") if peaks["compact_chunked"] else None
-        names = {
-            "none": "no press",
-            "compact": "kvzap (compact)",
-            "compact_chunked": f"kvzap (compact), prefill in chunks of {chunk}",
-            "kvpress": "kvpress 0.5.5",
-        }
-        for mode, row in rows.items():
-            lines.append(f"| {names[mode]} | {row['peak_rss_mb']:.0f} | {row['kv_bytes_after_decode'] / MB:.0f} |")
-    memory = _load(directory, "memory.json")
-    if memory:
-        m = memory["meta"]
-        n_layers = m["num_layers"]
-        lines += [
-            "",
-            f"KV memory measured from outside (`bench_memory.py`: tensor storages reachable from the cache; live "
-            f"tensors at every layer's exit during the prefill, minus the same forward without a cache), threshold "
-            f"{m['threshold']}, {m['decode_tokens']} decoded tokens; goals: held <= kept share + 0.05, prefill peak "
-            f"<= kept share + 1/{n_layers} + 0.05 (compact):",
-            "",
-            "| context | storage | evicted | held after prefill / full | prefill peak / full (goal) "
-            "| held after decoding / full |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in memory["results"]:
-            full, kept = r["full_bytes_prefill"], 1 - r["evicted_after_prefill"]
-            goal = f" ({kept + 1 / n_layers + 0.05:.3f})" if r["mode"] == "compact" else ""
-            lines.append(
-                f"| {r['prefill_tokens']} | {r['mode']} | {r['evicted_after_prefill']:.1%} "
-                f"| {r['held_after_prefill'] / full:.3f} ({r['held_after_prefill'] / MB:.0f} of {full / MB:.0f} MB) "
-                f"| {r['prefill_peak_extra'] / full:.3f}{goal} "
-                f"| {r['held_after_decode'] / r['full_bytes_decode']:.3f} |"
-            )
-        lines += _rss_lines(memory)
-    scorers = _load(directory, "scorers.json")
+        )
+    scorers = res.load("scorers.json")
     if scorers:
-        m = scorers["meta"]
-        lines += [
-            "",
-            f"Learned scorers: parameters and the time to score every layer's new pairs ({m['prefill_tokens']}-token "
-            f"prefill: the model's own forward takes {m['model_prefill_ms']:.0f} ms; one decoded token: "
-            f"{m['model_decode_step_ms']:.1f} ms; median of {m['runs']} runs):",
-            "",
-            "| scorer | parameters (per layer) | prefill scoring ms (share of the forward) "
-            "| decode scoring ms (share) |",
-            "|---|---|---|---|",
-        ]
-        for r in scorers["results"]:
-            lines.append(
-                f"| {r['scorer']} | {r['parameters']:,} ({r['parameters_per_layer']:,}) | "
-                f"{r['prefill_scoring_ms']:.1f} ({r['prefill_scoring_share']:.1%}) | "
-                f"{r['decode_scoring_ms']:.2f} ({r['decode_scoring_share']:.1%}) |"
+        mlp = next(x for x in scorers["results"] if x["scorer"] == "kvzap_mlp")
+        rows.append(
+            (
+                "Scoring cost, KVzap-MLP",
+                f"{mlp['prefill_scoring_share']:.1%} of a {scorers['meta']['prefill_tokens'] // 1024}k prefill's "
+                "forward; decoded tokens scored 16 at a time",
+                "the model's forward",
+                "[Learned scorers](#learned-scorers)",
             )
-    collect = _load(directory, "collect.json")
-    if collect:
-        sec = collect["seconds"]
-        base = sec["plain_sdpa_last_logits"]
-        lines += [
-            "",
-            f"KVzip+ target collection, one {collect['meta']['repeat_tokens']}-token repeat prompt "
-            f"(median of {collect['meta']['runs']} runs):",
-            "",
-            "| forward | seconds | vs plain sdpa |",
-            "|---|---|---|",
-        ]
-        for name, seconds in sec.items():
-            lines.append(f"| {name} | {seconds:.2f} | {seconds / base:.2f}x |")
-    lines += _batch_lines(_load(directory, "batch.json"))
-    lines += _second_model_lines(directory)
-    return "\n".join(lines)
-
-
-def _second_model_lines(directory: Path) -> list[str]:
-    """Gemma 3 270M: decode speed and outside-measured KV (``gemma_decode*.json``), collection cost
-    (``gemma_collect.json``)."""
-    runs = [_load(directory, p.name) for p in sorted(Path(directory).glob("gemma_decode*.json"))]
-    rows = sorted(((r, d["meta"]) for d in runs if d for r in d["results"]), key=lambda x: x[0]["prefill_tokens"])
-    lines = []
-    if rows:
-        m = rows[0][1]
-        lines += [
-            "",
-            f"Gemma 3 270M (`{Path(m['model']).name}`), {m['dtype']}, {m['threads']} threads, threshold "
-            f"{m['threshold']}, window {m['window']}, {m['decode_tokens']} decoded tokens; KV measured from outside "
-            "(every tensor storage reachable from the cache; no press: transformers' cache, whose sliding layers "
-            "hold their window):",
-            "",
-            "| context | runs | evicted (full-attention layers) | KV after prefill (MB): no press, kvzap "
-            f"| KV after {m['decode_tokens']} tokens (MB): no press, kvzap (kvzap / no press) "
-            "| decode tok/s: no press, kvzap | kvzap / no press | prefill s: no press, kvzap |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r, meta in rows:
-            after = r["compact_kv_bytes_after_decode"] / r["none_kv_bytes_after_decode"]
-            lines.append(
-                f"| {r['prefill_tokens']} | {meta['runs']} | {r['compact_evicted_share']:.1%} "
-                f"| {r['none_kv_bytes_after_prefill'] / MB:.1f}, {r['compact_kv_bytes_after_prefill'] / MB:.1f} "
-                f"| {r['none_kv_bytes_after_decode'] / MB:.1f}, {r['compact_kv_bytes_after_decode'] / MB:.1f} "
-                f"(**{after:.2f}**) "
-                f"| {r['none_decode_tok_s']:.2f}, {r['compact_decode_tok_s']:.2f} "
-                f"| **{r['compact_decode_tok_s'] / r['none_decode_tok_s']:.2f}x** "
-                f"| {r['none_prefill_s']:.1f}, {r['compact_prefill_s']:.1f} |"
+        )
+    gemma = _gemma_rows(res)
+    if gemma:
+        evicted = [r["compact_evicted_share"] for r, _, _ in gemma]
+        ctx = " / ".join(f"{r['prefill_tokens'] // 1024}k" for r, _, _ in gemma)
+        kv = " / ".join(
+            f"{r['compact_kv_bytes_after_decode'] / r['none_kv_bytes_after_decode']:.2f}" for r, _, _ in gemma
+        )
+        speed = " / ".join(f"{r['compact_decode_tok_s'] / r['none_decode_tok_s']:.2f}x" for r, _, _ in gemma)
+        rows.append(
+            (
+                f"Gemma 3 270M, ~{min(evicted) * 100:.0f}-{max(evicted):.0%} of full-attention pairs evicted, after "
+                f"{gemma[0][2]['decode_tokens']} tokens",
+                f"**{kv}** of the no-press cache at {ctx}; decode {speed}",
+                "no press, same run",
+                "[Gemma 3 270M](#gemma-3-270m-second-model)",
             )
-    collect = _load(directory, "gemma_collect.json")
+        )
+    collect, gemma_collect = res.load("collect.json"), res.load("gemma_collect.json")
     if collect:
-        sec, meta = collect["seconds"], collect["meta"]
-        base = sec["plain_sdpa_last_logits"]
-        scored = meta.get("scored_layers")
-        ok = sec["kvzip_plus_collection"] <= 1.5 * base
-        lines += [
-            "",
-            f"KVzip+ target collection on Gemma 3 270M, one {meta['repeat_tokens']}-token repeat prompt, "
-            f"{'layers ' + ', '.join(map(str, scored)) + ' scored' if scored else 'every layer scored'} (median of "
-            f"{meta['runs']} runs): "
-            + ", ".join(f"{name} {seconds:.2f} s ({seconds / base:.2f}x)" for name, seconds in sec.items())
-            + f" (goal: collection <= 1.5x the plain forward: {'met' if ok else 'not met'}).",
-        ]
-    return lines
+
+        def cost(c):
+            return c["seconds"]["kvzip_plus_collection"] / c["seconds"]["plain_sdpa_last_logits"]
+
+        rows.append(
+            (
+                "KVzip+ target collection",
+                f"{cost(collect):.2f}x a plain forward (SmolLM2)"
+                + (f", {cost(gemma_collect):.2f}x (Gemma 3)" if gemma_collect else ""),
+                "goal: <= 1.5x",
+                "[Collection](#kvzip-target-collection-training)",
+            )
+        )
+    fit, fit_memory = fit_time_block(res), res.load("fit_memory.json")
+    if fit and fit_memory:
+        batched = json.loads((res.research / FIT_RUNS[1][1] / "r2.json").read_text())["surrogates"]["mlp"]
+        loop = json.loads((res.research / FIT_RUNS[0][1] / "r2.json").read_text())["surrogates"]["mlp"]
+        grouped = next(r for r in fit_memory["results"] if r["layers_at_once"] is not None)
+        rows.append(
+            (
+                "Fitting KVzap-MLP, 30 layers",
+                f"{batched['fit_seconds']:.0f} s in one batched fit "
+                f"({batched['fit_seconds'] / loop['fit_seconds']:.2f}x "
+                f"the per-layer loop); {grouped['anon_ratio_to_all']:.2f}x the memory with `--layers-at-once "
+                f"{grouped['layers_at_once']}`",
+                "per-layer loop; all layers at once",
+                "[Fitting](#surrogate-fitting-training)",
+            )
+        )
+    return rows
 
 
-# The issue's goals for the ragged batch: batched kvzap decode against batched no press and kvzap one at a time.
-BATCH_GOALS = (("batched_none", 1.2, "batched without a press"), ("one_at_a_time", 2.5, "kvzap one prompt at a time"))
-BATCH_WAYS = {
-    "one_at_a_time": "kvzap (compact), one prompt at a time",
-    "batched_none": "one left-padded batch, no press",
-    "batched_kvzap": "one left-padded batch, kvzap (compact)",
+def glance_block(res: Results) -> list[str] | None:
+    rows = _glance_rows(res)
+    if not rows:
+        return None
+    return ["| what | measured | against | section |", "|---|---|---|---|"] + [f"| {' | '.join(row)} |" for row in rows]
+
+
+# Every block of BENCHMARKS.md, in the document's order.
+BLOCKS: dict[str, Callable[[Results], list[str] | None]] = {
+    "glance": glance_block,
+    "memory": memory_block,
+    "memory-rss": rss_block,
+    "memory-rss-variants": rss_variants_block,
+    "decode": decode_block,
+    "decode-no-eviction": no_eviction_block,
+    "decode-fixed-cost": fixed_cost_block,
+    "prefill": prefill_block,
+    "prefill-release": prefill_release_block,
+    "batch": batch_block,
+    "scorers": scorers_block,
+    "gemma-decode": gemma_decode_block,
+    "gemma-suite-memory": gemma_suite_memory_block,
+    "gemma-collect": gemma_collect_block,
+    "collect": collect_block,
+    "fit-time": fit_time_block,
+    "fit-memory": fit_memory_block,
 }
 
 
-def _overhead_lines(decoding: dict | None, prompt_only: dict | None) -> list[str]:
-    """The fixed cost of a decoding step: a context short enough that reading the cache costs next to nothing."""
-    if not decoding:
-        return []
-    r = decoding["results"][0]
-    none_ms, kvzap_ms = 1e3 / r["none_decode_tok_s"], 1e3 / r["compact_decode_tok_s"]
-    lines = [
-        "",
-        f"Fixed cost of a decoding step ({r['prefill_tokens']}-token context, where reading the cache costs next to "
-        f"nothing; median step of {decoding['meta']['runs']} runs): no press {none_ms:.1f} ms, kvzap (compact, "
-        f"decoding-time pruning) {kvzap_ms:.1f} ms, **+{kvzap_ms - none_ms:.1f} ms** per step",
-    ]
-    if prompt_only:
-        p = prompt_only["results"][0]
-        po_ms = 1e3 / p["compact_decode_tok_s"]
-        lines[-1] += (
-            f"; with the prompt pruned only (no decision per step) {po_ms:.1f} ms: storage and paged attention "
-            f"+{po_ms - 1e3 / p['none_decode_tok_s']:.1f} ms, decisions while decoding +{kvzap_ms - po_ms:.1f} ms"
-        )
-    lines[-1] += "."
-    return lines
+def blocks(directory: Path | str, research: Path | str | None = None) -> dict[str, str]:
+    """Every block whose results files are there: name -> its text (without the markers)."""
+    res = Results(directory, research)
+    out = {}
+    for name, build in BLOCKS.items():
+        lines = build(res)
+        if lines:
+            out[name] = "\n".join(lines)
+    return out
 
 
-def _batch_lines(batch: dict | None) -> list[str]:
-    """The "Ragged batches" section from ``bench_batch.py``'s JSON (nothing without it): a table per way, then
-    the goals, each met or not."""
-    if not batch:
-        return []
-    m, rows = batch["meta"], {r["way"]: r for r in batch["results"]}
-    lengths, full, padded = m["lengths"], m["full_kv_bytes"], m["full_kv_bytes_padded"]
-    lines = [
-        "",
-        f"Ragged batches (`bench_batch.py`): {len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens "
-        f"({sum(lengths)} in all, consecutive segments of one text), {m['decode_tokens']} greedy tokens each; "
-        f"`{Path(m['model']).name}`, {m['dtype']}, {m['threads']} threads, threshold {m['threshold']}, window "
-        f"{m['window']}, decoding-time pruning on, median of {m['runs']} runs (the ways alternate inside each run; "
-        f"speedups are medians of each run's ratio). Decode tok/s: every row's decoded tokens over the decode wall "
-        f"time. KV: tensor storages reachable from the cache(s), measured from outside, against the full cache of "
-        f"the prompts' own tokens ({full / MB:.0f} MB after decoding; left padded to the longest: "
-        f"{padded / MB:.0f} MB):",
-        "",
-        "| way | evicted | prefill s | decode tok/s | vs batched no press | vs kvzap one at a time "
-        "| KV after prefill (MB) | KV after decoding (MB, / full) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for way, r in rows.items():
-        ratios = [f"{r[f'decode_vs_{base}']:.2f}x" if f"decode_vs_{base}" in r else "-" for base, _, _ in BATCH_GOALS]
-        lines.append(
-            f"| {BATCH_WAYS.get(way, way)} | {r['evicted_share']:.1%} | {r['prefill_s']:.2f} "
-            f"| {r['decode_tok_s']:.2f} | {ratios[0]} | {ratios[1]} | {r['kv_bytes_after_prefill'] / MB:.0f} "
-            f"| {r['kv_bytes_after_decode'] / MB:.0f} ({r['kv_bytes_after_decode'] / full:.2f}) |"
-        )
-    kvzap = rows.get("batched_kvzap")
-    if kvzap:
-        lines.append("")
-        for base, goal, name in BATCH_GOALS:
-            key = f"decode_vs_{base}"
-            if key in kvzap:
-                verdict = "met" if kvzap[key] >= goal else "not met"
-                lines.append(f"- Batched kvzap decode vs {name}: **{kvzap[key]:.2f}x** (goal >= {goal}x: {verdict}).")
-        if "same_tokens_as_one_at_a_time" in kvzap:
-            lines.append(
-                f"- Rows whose {m['decode_tokens']} greedy tokens equal those of the prompt decoded alone under the "
-                f"same press: {kvzap['same_tokens_as_one_at_a_time']} of {len(lengths)}."
-            )
-    return lines
+def report(directory: Path | str, research: Path | str | None = None) -> str:
+    """Every block, each between its markers, as BENCHMARKS.md carries them."""
+    return "\n\n".join(f"{BEGIN.format(name)}\n{text}\n{END}" for name, text in blocks(directory, research).items())
+
+
+def update(document: Path, directory: Path | str, research: Path | str | None = None) -> list[str]:
+    """Rewrite every block of ``document`` with what the results print now; returns the names of the blocks that
+    changed. A block of the document that the results cannot print is left as it is."""
+    printed = blocks(directory, research)
+    changed = []
+
+    def replace(match: re.Match) -> str:
+        name, text = match.group(1), match.group(2)
+        if name in printed and printed[name] != text:
+            changed.append(name)
+            text = printed[name]
+        return f"{BEGIN.format(name)}\n{text}\n{END}"
+
+    document.write_text(BLOCK.sub(replace, document.read_text()))
+    return changed
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", nargs="?", default=None, help="the results directory (same as --results)")
+    parser.add_argument("--results", default=None, help="the results directory (default: benchmarks/results)")
+    parser.add_argument("--research", default=None, help="the training studies' folder (default: research/)")
+    parser.add_argument("--update", type=Path, default=None, help="rewrite this document's blocks in place")
+    args = parser.parse_args(argv)
+    directory = args.results or args.directory or "benchmarks/results"
+    if args.update:
+        changed = update(args.update, directory, args.research)
+        print(f"{args.update}: {', '.join(changed) if changed else 'no block'} changed")
+    else:
+        print(report(directory, args.research))
 
 
 if __name__ == "__main__":
-    print(report(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")))
+    main()

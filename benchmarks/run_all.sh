@@ -22,19 +22,19 @@ common=(--model "$MODEL" --threads "$THREADS")
 
 if [ "$PART" != memory ]; then  # speed: decoding, prefill, scorers, the collection
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 64 --runs "$RUNS" \
-    --json "$OUT/kvzap.json"
+    --json "$OUT/decode.json"
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 2048 8192 --threshold=-inf --decode 64 --runs "$RUNS" \
-    --modes none compact --json "$OUT/kvzap_no_eviction.json"
+    --modes none compact --json "$OUT/decode_no_eviction.json"
 # The fixed cost of a decoding step: a context where reading the cache costs next to nothing.
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 256 --threshold="$TAU" --decode 64 --runs "$RUNS" \
-    --modes none compact --json "$OUT/overhead.json"
+    --modes none compact --json "$OUT/decode_fixed_cost.json"
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 256 --threshold="$TAU" --decode 64 --runs "$RUNS" \
-    --modes none compact --no-decoding --json "$OUT/overhead_prompt_only.json"
+    --modes none compact --no-decoding --json "$OUT/decode_fixed_cost_prompt_only.json"
 # Prefill only, as generate prefills: what giving freed memory back costs (kvzap.heap's ways against none).
 "$PY" -m benchmarks.bench_prefill_release --model "$MODEL" --threads "$THREADS" --prefill 2048 8192 --threshold="$TAU" \
     --modes none pages trim_every_layer off --runs "$KVPRESS_RUNS" --json "$OUT/prefill_release.json"
 "$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 64 --runs "$KVPRESS_RUNS" \
-    --json "$OUT/kvpress.json"
+    --json "$OUT/decode_kvpress.json"
 # Ragged batch: 8 prompts of 1k-4k tokens, 64 decoded tokens each, one at a time vs batched (no press, kvzap)
 "$PY" -m benchmarks.bench_batch "${common[@]}" --threshold="$TAU" --decode 64 --runs "$BATCH_RUNS" \
     --json "$OUT/batch.json"
@@ -45,13 +45,15 @@ fi
 fi
 if [ "$PART" != timing ]; then  # memory, measured from outside
 # KV memory from outside (held by the cache, prefill peak at every layer's exit) and peak RSS of 8k prefill + 256
-# decoded tokens, median of 5 fresh processes per mode (none, compact, compact without the heap release; then none
-# and compact again with glibc's mmap threshold fixed at 64 KiB, so that RSS follows the live tensors).
+# decoded tokens, median of 5 fresh processes per mode (no press and kvzap compact).
 "$PY" -m benchmarks.bench_memory "${common[@]}" --prefill 2048 8192 --threshold="$TAU" --decode 64 --rss-runs 5 \
-    --json "$OUT/memory.json"
+    --rss-variants none compact --rss-mmap-runs 0 --json "$OUT/memory.json"
+# The ways of giving freed memory back, each in fresh processes, and the same under a fixed mmap threshold.
+"$PY" -m benchmarks.bench_memory "${common[@]}" --prefill 2048 8192 --threshold="$TAU" --decode 64 --rss-runs 5 \
+    --json "$OUT/memory_release_variants.json"
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \
     --peak-memory compact --prefill-chunk 1024 --json "$OUT/peak_compact_chunked.json"
 "$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \
     --peak-memory kvpress --json "$OUT/peak_kvpress.json"
 fi
-"$PY" -m benchmarks.report "$OUT" | tee "$OUT/report.md"
+"$PY" -m benchmarks.report "$OUT"  # then: python -m benchmarks.report --update BENCHMARKS.md

@@ -12,18 +12,21 @@ sample's context turn as the pipeline builds it (``kvzap.prompts.context_ids``: 
         --thresholds -5.1 -3.6 -3.0 -2.7 -1.518
 
 Prints one row per threshold: the share of prunable pairs evicted (``press.compression_ratio``), the cache's MB
-and the share of the no-press cache freed (means over ``--n-samples``).
+and the share of the no-press cache freed (means over ``--n-samples``). With ``--json FILE`` the same rows go into
+``FILE`` under ``tasks[TASK]``, beside the tasks an earlier run wrote there (one file for a sweep of tasks).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-from benchmarks.common import cache_kwarg
+from benchmarks.common import cache_kwarg, meta
 from benchmarks.outside import model_storage_keys, reachable_bytes
 from evaluation.ruler import generate_task
 from kvzap import DMSThresholdPress, KVzapScorer
@@ -50,6 +53,7 @@ def main(argv=None) -> None:
     parser.add_argument("--n-samples", type=int, default=1)
     parser.add_argument("--thresholds", type=float, nargs="+", required=True)
     parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--json", default=None, help="add this task's rows to this file (tasks[TASK])")
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model(args.model)
@@ -63,6 +67,7 @@ def main(argv=None) -> None:
     )
     print("| threshold | prunable pairs evicted | cache MB | share of the no-press cache freed |")
     print("|---|---|---|---|")
+    rows = []
     for threshold in args.thresholds:
         ratios, sizes = [], []
         for ids in prompts:
@@ -72,7 +77,21 @@ def main(argv=None) -> None:
                 sizes.append(cache_after_one_token(model, ids, weights))
             ratios.append(press.compression_ratio)
         freed = statistics.mean(1 - s / r for s, r in zip(sizes, reference, strict=True))
-        print(f"| {threshold:g} | {statistics.mean(ratios):.1%} | {statistics.mean(sizes) / 1e6:.1f} | {freed:.1%} |")
+        row = dict(threshold=threshold, evicted_share=statistics.mean(ratios), cache_mb=statistics.mean(sizes) / 1e6)
+        rows.append({**row, "freed_share": freed})
+        print(f"| {threshold:g} | {row['evicted_share']:.1%} | {row['cache_mb']:.1f} | {freed:.1%} |")
+    if args.json:
+        path = Path(args.json)
+        data = json.loads(path.read_text()) if path.exists() else {"tasks": {}}
+        data["meta"] = meta(tool="kvzap suite_memory", model=args.model, length=args.length, n_samples=len(prompts))
+        data["meta"]["window"] = args.window
+        data["tasks"][args.task] = {
+            "prompt_tokens": [p.shape[1] for p in prompts],
+            "no_press_mb": statistics.mean(reference) / 1e6,
+            "results": rows,
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import json
 import torch
 
 from benchmarks import bench_batch
-from benchmarks.report import report
+from benchmarks.report import blocks
 from kvzap import DMSThresholdPress
 from kvzap.presses.baseline_scorers import KeyNormScorer
 from tests.conftest import tiny_model
@@ -53,12 +53,12 @@ def test_batch_benchmark_end_to_end(monkeypatch, tmp_path):
     data = json.loads(out.read_text())
     assert data["meta"]["lengths"] == [int(n) for n in LENGTHS] and data["meta"]["decode_tokens"] == 6
     assert data["meta"]["full_kv_bytes"] < data["meta"]["full_kv_bytes_padded"]
-    text = report(tmp_path)
-    assert "Ragged batches (`bench_batch.py`): 4 prompts of 12-40 tokens" in text
+    text = blocks(tmp_path)["batch"]
+    assert "Raw: [batch.json](benchmarks/results/batch.json)" in text
     assert text.count("| one left-padded batch") == 2 and text.count("| kvzap (compact), one prompt") == 1
     assert "vs batched without a press: **" in text and "(goal >= 1.2x: " in text and "(goal >= 2.5x: " in text
     assert "equal those of the prompt decoded alone under the same press: 4 of 4." in text
-    assert "Ragged batches" not in report(tmp_path / "elsewhere")
+    assert "batch" not in blocks(tmp_path / "elsewhere")
 
 
 def test_speedups_pair_each_run_with_its_own_baseline():

@@ -8,23 +8,32 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks.common import sweep
-from benchmarks.report import report
+from benchmarks.report import blocks
+
+
+def _block(tmp_path, name: str) -> list[str]:
+    return blocks(tmp_path)[name].splitlines()
 
 
 def test_the_report_judges_the_peak_rss_under_each_allocator(tmp_path):
-    """``benchmarks/report.py`` compares kvzap with no press against the goal (0.8 x evicted x full KV), under the
-    default allocator and under a fixed mmap threshold, and shows the runs with trims only and without release."""
+    """``benchmarks/report.py`` compares kvzap with no press against the goal (0.8 x evicted x full KV), and shows
+    the ways of giving memory back under the default allocator and under a fixed mmap threshold."""
 
     def entry(runs, evicted=0.6):
         return {"runs_mb": runs, "median_mb": sorted(runs)[len(runs) // 2], "evicted_share": [evicted] * len(runs)}
 
     meta = {"num_layers": 30, "threshold": -3.4, "decode_tokens": 64, "rss_prompt": 8192, "rss_decode": 256}
+    meta["rss_full_bytes"] = 400 * 2**20  # goal: 0.8 x 0.6 x 400 = 192 MB lower
     memory = {
-        "meta": {**meta, "rss_full_bytes": 400 * 2**20},  # goal: 0.8 x 0.6 x 400 = 192 MB lower
+        "meta": meta,
+        "results": [],
+        "peak_rss": {"none": entry([1700, 1680, 1500]), "compact": entry([1300, 1250, 1280])},
+    }
+    variants = {
+        "meta": meta,
         "results": [],
         "peak_rss": {
-            "none": entry([1700, 1680, 1500]),
-            "compact": entry([1300, 1250, 1280]),
+            **memory["peak_rss"],
             "compact_trim_only": entry([1310, 1260, 1290]),
             "compact_no_heap_release": entry([1900, 2100, 1300]),
             "env": {},
@@ -32,46 +41,36 @@ def test_the_report_judges_the_peak_rss_under_each_allocator(tmp_path):
         "peak_rss_mmap": {"none": entry([1450, 1460, 1440]), "compact": entry([1300, 1310, 1290]), "env": {}},
     }
     (tmp_path / "memory.json").write_text(json.dumps(memory))
-    text = report(tmp_path)
-    default, mmap = [line for line in text.splitlines() if line.startswith("Peak RSS of 8192-token")]
-    assert "no press 1680 MB (1700, 1680, 1500), kvzap compact 1280 MB" in default
-    assert "**400 MB lower** (goal: lower by >= 0.8 x evicted x full KV = 192 MB: met)" in default
-    assert "heap trims only" in default and "1290 MB (1310, 1260, 1290)" in default
-    assert "without giving freed memory back" in default and "1900 MB (1900, 2100, 1300)" in default
-    assert "MALLOC_MMAP_THRESHOLD_=65536" in mmap
-    assert "**150 MB lower**" in mmap and "192 MB: not met" in mmap
-
-
-def test_the_report_gives_the_prefill_cost_of_each_release_way(tmp_path):
-    bench = {
-        "meta": {"runs": 3},
-        "results": [
-            {
-                "prefill_tokens": 2048,
-                "median_s": {"none": 4.0, "pages": 4.1, "off": 4.0},
-                "ratio_to_none": {"none": 1.0, "pages": 1.025, "off": 1.0},
-            }
-        ],
-    }
-    (tmp_path / "prefill_release.json").write_text(json.dumps(bench))
-    (line,) = [line for line in report(tmp_path).splitlines() if line.startswith("- 2048 tokens")]
-    assert line == (
-        "- 2048 tokens: no press 4.00 s, kvzap (default: pages + RSS-triggered trims) 1.025x, no release 1.000x"
+    (tmp_path / "memory_release_variants.json").write_text(json.dumps(variants))
+    rss = _block(tmp_path, "memory-rss")
+    assert "| no press | 60.0% | **1680** | 1700, 1680, 1500 |" in rss
+    assert "| kvzap compact | 60.0% | **1280** | 1300, 1250, 1280 |" in rss
+    assert rss[-1].startswith("kvzap peaks **400 MB lower** (goal: lower by >= 0.8 x evicted x full KV")
+    assert rss[-1].endswith("= 192 MB: met).")
+    ways = _block(tmp_path, "memory-rss-variants")
+    assert "| default | kvzap compact, heap trims only | 1290 | 1310, 1260, 1290 | -390 MB |" in ways
+    assert "| default | kvzap compact, no release | 1900 | 1900, 2100, 1300 | +220 MB |" in ways
+    assert (
+        "| `MALLOC_MMAP_THRESHOLD_=65536` | kvzap compact (default release) | 1300 | 1300, 1310, 1290 | -150 MB |"
+        in ways
     )
 
 
-def test_the_prefill_cost_says_when_its_ratios_are_each_runs(tmp_path):
+def test_the_prefill_cost_is_the_median_of_each_runs_ratio(tmp_path):
     row = {
         "prefill_tokens": 2048,
         "median_s": {"none": 4.0, "pages": 4.4},
         "ratio_runs": {"none": [1.0, 1.0, 1.0], "pages": [1.0, 1.02, 1.3]},
         "ratio_to_none": {"none": 1.0, "pages": 1.02},
-        "ratio_of_medians": {"none": 1.0, "pages": 1.1},
+        "ratio_of_medians": {"none": 1.0, "pages": 1.1},  # what the report must not print
     }
     (tmp_path / "prefill_release.json").write_text(json.dumps({"meta": {"runs": 3}, "results": [row]}))
-    text = report(tmp_path)
-    assert "median of 3 runs, the median of each run's ratio to no press" in text
-    assert "pages + RSS-triggered trims) 1.020x" in text
+    lines = _block(tmp_path, "prefill-release")
+    assert "| 2048 | 3 | no press | 4.00 | 1.000x |" in lines
+    assert (
+        "| 2048 | 3 | kvzap (default release: pages + RSS-triggered trims) | 4.40 | **1.020x** (1.00, 1.02, 1.30) |"
+        in lines
+    )
 
 
 def test_the_second_model_section_reads_every_gemma_run_and_judges_the_collection(tmp_path):
@@ -100,14 +99,15 @@ def test_the_second_model_section_reads_every_gemma_run_and_judges_the_collectio
     seconds = {"plain_sdpa_last_logits": 4.0, "plain_sdpa_all_logits": 9.0, "kvzip_plus_collection": 6.4}
     collect = {"meta": {"repeat_tokens": 2415, "runs": 3, "scored_layers": [5, 11, 17]}, "seconds": seconds}
     (tmp_path / "gemma_collect.json").write_text(json.dumps(collect))
-    lines = report(tmp_path).splitlines()
+    lines = _block(tmp_path, "gemma-decode")
     rows = [line for line in lines if line.startswith("| 8192 |") or line.startswith("| 16384 |")]
     assert [r.split(" | ")[0] for r in rows] == ["| 8192", "| 16384"]  # sorted by context, from both files
     assert "| 64.0, 32.0 (**0.50**) |" in rows[0] and "**1.00x**" in rows[0] and rows[0].startswith("| 8192 | 1 |")
     assert "| 576.0, 45.0 |" in rows[1] and "**1.30x**" in rows[1]
-    (text,) = [line for line in lines if line.startswith("KVzip+ target collection on Gemma")]
-    assert "layers 5, 11, 17 scored" in text and "kvzip_plus_collection 6.40 s (1.60x)" in text
-    assert text.endswith("goal: collection <= 1.5x the plain forward: not met).")
+    collection = _block(tmp_path, "gemma-collect")
+    assert "One 2415-token repeat prompt, layers 5, 11, 17 scored, median of 3 runs." in collection
+    assert "| kvzip_plus_collection | 6.40 | 1.60x |" in collection
+    assert collection[-1] == "Goal: the collection <= 1.5x the plain forward: not met."
 
 
 def test_the_decode_sweep_keeps_each_runs_ratio_and_the_report_uses_their_median(tmp_path):
@@ -130,10 +130,11 @@ def test_the_decode_sweep_keeps_each_runs_ratio_and_the_report_uses_their_median
     # The report reads the paired ratios when the file has them.
     row["compact_decode_tok_s"] = 12.0  # a ratio of medians (3.0x) the report must not print
     row.update(compact_evicted_share=0.5, compact_kv_bytes_after_prefill=1, masked_kv_bytes_after_prefill=1)
+    row["full_kv_bytes"] = 2
     meta = {"model": "m", "dtype": "float32", "threads": 2, "threshold": -3.4, "window": 128}
     meta.update(decoding_pruning=True, decode_tokens=64, runs=3, torch="2", transformers="5")
-    (tmp_path / "kvzap.json").write_text(json.dumps({"meta": meta, "results": [row]}))
-    text = report(tmp_path)
-    assert "the median of each run's ratio" in text
-    (line,) = [line for line in text.splitlines() if line.startswith("| 16 |")]
-    assert "| **2.00x** |" in line and line.endswith("| 0.50x |")
+    (tmp_path / "decode.json").write_text(json.dumps({"meta": meta, "results": [row]}))
+    (line,) = [line for line in _block(tmp_path, "decode") if line.startswith("| 16 |")]
+    assert "| **2.00x** (2.00, 2.00, 2.00) |" in line
+    (line,) = [line for line in _block(tmp_path, "prefill") if line.startswith("| 16 |")]
+    assert line.endswith("| **0.50x** (0.50, 0.50, 0.50) |")
