@@ -7,6 +7,7 @@ carries the same markers around the same text, and ``tests/test_benchmarks_doc.p
 the document sits in a block equal to what this script prints, so that no figure is copied by hand::
 
     python -m benchmarks.report [--results benchmarks/results]   # every block, in the document's order
+    python -m benchmarks.report --table decode                    # one block by name (--list names them)
     python -m benchmarks.report --update BENCHMARKS.md            # rewrite the document's blocks in place
 
 A block whose results files are missing is left out (``run_all.sh`` prints the blocks of the files it wrote).
@@ -39,6 +40,7 @@ from benchmarks.report_inference import (
     scorers_block,
 )
 from benchmarks.report_training import FIT_RUNS, collect_block, fit_memory_block, fit_time_block, gemma_collect_block
+from kvzap.presses.threshold import _DECODE_SCORE_BATCH as DECODE_SCORE_BATCH
 
 BEGIN, END = "<!-- report: {} -->", "<!-- /report -->"
 BLOCK = re.compile(r"<!-- report: ([\w-]+) -->\n(.*?)\n<!-- /report -->", re.S)
@@ -103,7 +105,7 @@ def _glance_rows(res: Results) -> list[tuple[str, str, str, str]]:
         theirs = ""
         if kvpress:
             k = [_paired(x, "kvpress", "decode_tok_s") for x in kvpress["results"]]
-            theirs = f"; kvpress 0.5.5 {min(k):.2f}-{max(k):.2f}x"
+            theirs = f"; {kvpress['meta'].get('tool', 'kvpress')} {min(k):.2f}-{max(k):.2f}x"
         rows.append(
             (
                 "Decode speed, SmolLM2-135M",
@@ -147,7 +149,7 @@ def _glance_rows(res: Results) -> list[tuple[str, str, str, str]]:
             (
                 "Scoring cost, KVzap-MLP",
                 f"{mlp['prefill_scoring_share']:.1%} of a {scorers['meta']['prefill_tokens'] // 1024}k prefill's "
-                "forward; decoded tokens scored 16 at a time",
+                f"forward; decoded tokens scored {DECODE_SCORE_BATCH} at a time",
                 "the model's forward",
                 "[Learned scorers](#learned-scorers)",
             )
@@ -232,20 +234,26 @@ BLOCKS: dict[str, Callable[[Results], list[str] | None]] = {
 }
 
 
-def blocks(directory: Path | str, research: Path | str | None = None) -> dict[str, str]:
-    """Every block whose results files are there: name -> its text (without the markers)."""
+def blocks(directory: Path | str, research: Path | str | None = None, names: list[str] | None = None) -> dict[str, str]:
+    """Every block whose results files are there (or only ``names``): name -> its text (without the markers)."""
+    unknown = sorted(set(names or ()) - set(BLOCKS))
+    if unknown:
+        raise ValueError(f"No table named {', '.join(unknown)}; the tables are: {', '.join(BLOCKS)}.")
     res = Results(directory, research)
     out = {}
     for name, build in BLOCKS.items():
+        if names and name not in names:
+            continue
         lines = build(res)
         if lines:
             out[name] = "\n".join(lines)
     return out
 
 
-def report(directory: Path | str, research: Path | str | None = None) -> str:
-    """Every block, each between its markers, as BENCHMARKS.md carries them."""
-    return "\n\n".join(f"{BEGIN.format(name)}\n{text}\n{END}" for name, text in blocks(directory, research).items())
+def report(directory: Path | str, research: Path | str | None = None, names: list[str] | None = None) -> str:
+    """Every block (or only ``names``), each between its markers, as BENCHMARKS.md carries them."""
+    printed = blocks(directory, research, names)
+    return "\n\n".join(f"{BEGIN.format(name)}\n{text}\n{END}" for name, text in printed.items())
 
 
 def update(document: Path, directory: Path | str, research: Path | str | None = None) -> list[str]:
@@ -271,13 +279,22 @@ def main(argv=None) -> None:
     parser.add_argument("--results", default=None, help="the results directory (default: benchmarks/results)")
     parser.add_argument("--research", default=None, help="the training studies' folder (default: research/)")
     parser.add_argument("--update", type=Path, default=None, help="rewrite this document's blocks in place")
+    parser.add_argument(
+        "--table", action="append", default=None, choices=list(BLOCKS), metavar="NAME", help="print this table only"
+    )
+    parser.add_argument("--list", action="store_true", help="print the tables' names, in the document's order")
     args = parser.parse_args(argv)
     directory = args.results or args.directory or "benchmarks/results"
-    if args.update:
+    if args.list:
+        print("\n".join(BLOCKS))
+    elif args.update:
         changed = update(args.update, directory, args.research)
         print(f"{args.update}: {', '.join(changed) if changed else 'no block'} changed")
     else:
-        print(report(directory, args.research))
+        printed = report(directory, args.research, args.table)
+        if args.table and not printed:
+            parser.error(f"the results in {directory} cannot print {', '.join(args.table)}: its files are missing")
+        print(printed)
 
 
 if __name__ == "__main__":

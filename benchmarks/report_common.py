@@ -17,10 +17,8 @@ class Results:
 
     def __init__(self, directory: Path | str, research: Path | str | None = None):
         self.directory = Path(directory)
-        root = self.directory.resolve().parent.parent
-        # The surrogate-fitting studies live in research/<study>/ (train/results/<study>/ in older checkouts).
-        candidates = [Path(research)] if research else [root / "research", root / "train" / "results"]
-        self.research = next((c for c in candidates if c.is_dir()), candidates[0])
+        # The surrogate-fitting studies: research/<study>/ of the checkout holding the results directory.
+        self.research = Path(research) if research else self.directory.resolve().parent.parent / "research"
 
     def load(self, name: str) -> dict | None:
         path = self.directory / name

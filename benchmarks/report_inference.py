@@ -107,14 +107,16 @@ def rss_variants_block(res: Results) -> list[str] | None:
             diff = round(rss[way]["median_mb"]) - round(rss["none"]["median_mb"])
             against = "-" if way == "none" else f"{diff:+.0f} MB"
             lines.append(f"| {allocator} | {name} | {rss[way]['median_mb']:.0f} | {_runs_mb(rss[way])} | {against} |")
-    single = {"peak_compact_chunked.json": None, "peak_kvpress.json": "kvpress 0.5.5 (keeps every pair, masked)"}
-    for name, label in single.items():
+    for name in ("peak_compact_chunked.json", "peak_kvpress.json"):
         data = res.load(name)
         if not data:
             continue
         files.append((name, data["meta"]))
         row = data["results"][0]
-        label = label or f"kvzap compact, prefill in chunks of {data['meta'].get('prefill_chunk')}"
+        if data["meta"].get("tool", "").startswith("kvpress"):
+            label = f"{data['meta']['tool']} (keeps every pair, masked)"
+        else:
+            label = f"kvzap compact, prefill in chunks of {data['meta'].get('prefill_chunk')}"
         lines.append(f"| default | {label} | {row['peak_rss_mb']:.0f} | one process | - |")
     return [source(*files), "", *lines]
 

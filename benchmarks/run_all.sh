@@ -22,7 +22,7 @@ common=(--model "$MODEL" --threads "$THREADS")
 
 if [ "$PART" != memory ]; then  # speed: decoding, prefill, scorers, the collection
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 64 --runs "$RUNS" \
-    --json "$OUT/decode.json"
+    --modes none compact --json "$OUT/decode.json"
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 2048 8192 --threshold=-inf --decode 64 --runs "$RUNS" \
     --modes none compact --json "$OUT/decode_no_eviction.json"
 # The fixed cost of a decoding step: a context where reading the cache costs next to nothing.
@@ -30,9 +30,10 @@ if [ "$PART" != memory ]; then  # speed: decoding, prefill, scorers, the collect
     --modes none compact --json "$OUT/decode_fixed_cost.json"
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 256 --threshold="$TAU" --decode 64 --runs "$RUNS" \
     --modes none compact --no-decoding --json "$OUT/decode_fixed_cost_prompt_only.json"
-# Prefill only, as generate prefills: what giving freed memory back costs (kvzap.heap's ways against none).
+# Prefill only, as generate prefills: what giving freed memory back costs (kvzap.heap's default against none;
+# --modes trim_every_layer off adds the other ways).
 "$PY" -m benchmarks.bench_prefill_release --model "$MODEL" --threads "$THREADS" --prefill 2048 8192 --threshold="$TAU" \
-    --modes none pages trim_every_layer off --runs "$KVPRESS_RUNS" --json "$OUT/prefill_release.json"
+    --modes none pages --runs "$KVPRESS_RUNS" --json "$OUT/prefill_release.json"
 "$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 64 --runs "$KVPRESS_RUNS" \
     --json "$OUT/decode_kvpress.json"
 # Ragged batch: 8 prompts of 1k-4k tokens, 64 decoded tokens each, one at a time vs batched (no press, kvzap)

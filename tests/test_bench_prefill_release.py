@@ -34,8 +34,8 @@ def test_prefill_release_benchmark_end_to_end(monkeypatch, tmp_path):
 
 
 def test_prefill_release_press_without_and_with_a_model():
-    # Without --model the benchmark's random model has no trained surrogate: random scores stand in (it used to
-    # ask for the bundled surrogate of a model named '' and fail); with --model, the KVzap-MLP (bundled or --surrogate).
+    # Without --model the benchmark's random model has no trained surrogate, so random scores stand in (asking for
+    # the bundled surrogate of a model named '' would fail); with --model, the KVzap-MLP (bundled or --surrogate).
     press = bench.make_press(argparse.Namespace(model=None, surrogate=None, threshold=0.44))
     assert isinstance(press.scorer, RandomScorer) and press.threshold == 0.44
     press = bench.make_press(argparse.Namespace(model="a/model", surrogate="a/surrogate", threshold=-3.4))
