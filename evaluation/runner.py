@@ -26,7 +26,7 @@ from . import aime
 from .benchmarks import LoadRequest
 
 # The sweep's settings and runs, importable from here too: the runner is where a sweep starts.
-from .config import EvalConfig, load_config
+from .config import DEFAULT_LENGTH, DEFAULT_N_SAMPLES, EvalConfig, load_config
 from .plan import RunSpec, _config_record, _model_name, plan_runs, run_dir, surrogate_weights
 from .presses import make_press
 from .rundirs import (
@@ -54,6 +54,8 @@ __all__ = [
     "sample_fingerprints",
     "PARTIAL",
     "SAMPLES",
+    "DEFAULT_LENGTH",
+    "DEFAULT_N_SAMPLES",
 ]
 
 
