@@ -25,7 +25,15 @@ import torch
 from torch import nn
 
 from kvzap.cache import PrunableLayer
-from kvzap.presses.base import BasePress, Scorer, as_bool, as_number, check_score_shape, check_scores, pad_columns
+from kvzap.presses.base import (
+    BasePress,
+    Scorer,
+    as_bool,
+    check_number,
+    check_score_shape,
+    check_scores,
+    pad_columns,
+)
 
 __all__ = ["DMSThresholdPress"]
 
@@ -73,13 +81,11 @@ class DMSThresholdPress(BasePress):
                 self._check_decoding(value)
         elif name == "threshold":
             # None only as the constructor's default, which validate() then refuses with how to fix it.
-            value = as_number("threshold", value, allow_none="threshold" not in self.__dict__)
-            if value is not None and math.isnan(value):
-                raise ValueError("threshold is NaN; use a finite number, or -inf to evict nothing.")
+            value = check_number(
+                "threshold", value, allow_none="threshold" not in self.__dict__, hint="Use -inf to evict nothing."
+            )
         elif name == "sliding_window_size":
-            value = as_number("sliding_window_size", value, integer=True)
-            if value < 0:
-                raise ValueError(f"sliding_window_size must be >= 0, got {value}.")
+            value = check_number("sliding_window_size", value, integer=True, minimum=0)
         elif name == "decoding":
             value = as_bool("decoding", value)
             if value and "scorer" in self.__dict__:
@@ -102,11 +108,7 @@ class DMSThresholdPress(BasePress):
             )
         if self.threshold is None:
             raise ValueError("threshold is required, e.g. DMSThresholdPress(KVzapScorer(), threshold=-4).")
-        self.threshold = as_number("threshold", self.threshold)
-        if math.isnan(self.threshold):
-            raise ValueError("threshold is NaN; use a finite number, or -inf to evict nothing.")
-        if self.sliding_window_size < 0:
-            raise ValueError(f"sliding_window_size must be >= 0, got {self.sliding_window_size}.")
+        # Both are checked when assigned (_checked: a number, never NaN; a window >= 0), the constructor's too.
         if as_bool("decoding", self.decoding):
             self._check_decoding(self.scorer)
 
