@@ -52,6 +52,14 @@ split the same way (:mod:`kvzap.paged`):
   pool) as a batch; causal masks of multi-token steps come from the stored positions, so they are exact
   whatever was evicted.
 
+- **Quantized storage** (``kv_bits`` 8 or 4): each kept pair is quantized once, when it is written into the
+  pool (the prefill's pack, an append, a hole refilled), with a float16 scale and minimum per slot and group
+  of channels (:mod:`kvzap.paged.quant` says why per slot, with the errors measured); repacks, crops and batch
+  reorders copy the codes as they are, and snapshots share them like float pairs. The fused kernel dequantizes
+  each block as it reads it; the generic path (CUDA, multi-token steps) dequantizes the used blocks
+  (:meth:`~kvzap.paged.pool.BlockPool.block_pairs`) and attends as with float pairs;
+  :meth:`~kvzap.paged.pool.BlockPool.pairs` gives the float pairs of any slots.
+
 Sliding-window layers (Mistral, Gemma3 local layers) keep the masked storage: their window already bounds
 their size. :func:`compact_layer_like` picks the storage per layer.
 """
@@ -68,8 +76,10 @@ from kvzap._compat import DynamicLayer, crop_count
 from kvzap.cache import prunable_layer_like
 from kvzap.heap import release_freed, release_pages
 from kvzap.paged.attention import paged_attention
+from kvzap.paged.gathered import gathered_attention
 from kvzap.paged.kernels import decode_kernel
 from kvzap.paged.pool import BlockPool
+from kvzap.paged.quant import check_kv_bits
 from kvzap.paged.table import BlockTable, PackPlan
 from kvzap.prunable import PrunableLayer, check_evict_mask
 
@@ -79,10 +89,6 @@ __all__ = ["CompactLayer", "compact_layer_like", "DEFAULT_BLOCK_SIZE"]
 #: a block per head: 1.5 MB for SmolLM2-135M in fp32), large enough that the batched matmuls over blocks stay
 #: efficient (measured on 2 CPU threads, 8.7k kept pairs: 64 slots was 2-3x faster than 16 or 32).
 DEFAULT_BLOCK_SIZE = 64
-
-# Logits held at once by a multi-token attention call (elements): query positions are processed in groups so
-# that (slots x query rows) stays below this (16M floats, 64 MB in fp32).
-_ATTEND_SCRATCH = 1 << 24
 
 # Evictions of more than this many positions per call (not decoding's) are reported to the host table at once.
 _HOLES_MAX = 4
@@ -103,11 +109,15 @@ class CompactLayer(PrunableLayer, DynamicLayer):
     ----------
     block_size : int, default :data:`DEFAULT_BLOCK_SIZE`
         Slots per block.
+    kv_bits : None, 8 or 4, default None
+        Width of the stored pairs: None keeps the model's dtype; 8 or 4 quantize each kept pair when it is
+        written, with float16 scales per slot and group of channels (:mod:`kvzap.paged.quant`), and every
+        attention path dequantizes them.
     """
 
     # Snapshot rules (see PrunableLayer): the table is copied; the pool gives a PoolState sharing its tensors;
     # the first forward's dense pairs and the device evictions not yet seen by the table are settled first.
-    _SHARED_FIELDS = PrunableLayer._SHARED_FIELDS | {"block_size", "_bsz", "_heads"}
+    _SHARED_FIELDS = PrunableLayer._SHARED_FIELDS | {"block_size", "kv_bits", "_bsz", "_heads"}
     _COPIED_FIELDS = PrunableLayer._COPIED_FIELDS | {"table", "pool"}
     _TRANSIENT_FIELDS = PrunableLayer._TRANSIENT_FIELDS | {
         "_dense",
@@ -117,11 +127,13 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         "_heads_arange",
     }
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, **kwargs):
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, kv_bits: int | None = None, **kwargs):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
+        kv_bits = check_kv_bits(kv_bits)
         super().__init__(**kwargs)
         self.block_size = block_size
+        self.kv_bits = kv_bits
         self._init_compact()
 
     def _init_compact(self) -> None:
@@ -129,7 +141,7 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._bsz = 0
         self._heads = 0
         self.table = BlockTable.empty(0, self.block_size)
-        self.pool = BlockPool(self.block_size)
+        self.pool = BlockPool(self.block_size, self.kv_bits)
         # The first forward's new pairs (B, H, q, d), not written into the pool yet (see the module docstring).
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
         # Which of them the evictions of that forward keep, (heads, q) on the host; None while none ran.
@@ -197,10 +209,10 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         the old head that new head ``i`` copies (batch operations), None keeps the heads."""
         self._sync()
         plan = self.table.pack_plan(self.seen, rows)
-        src = torch.from_numpy(plan.src).to(self.device)
-        keys = self.pool.keys.view(-1, self.pool.keys.shape[-1]).index_select(0, src)
-        values = self.pool.values.view(-1, self.pool.values.shape[-1]).index_select(0, src)
-        self._pack(plan, keys, values)
+        # The stored pairs are copied as stored: quantized codes are never rounded twice.
+        used = int(plan.n_blocks.sum())
+        self.pool.repack(plan.src, plan.dst, plan.positions, plan.owner, used, len(plan.counts))
+        self.table.adopt(plan, self.seen)
 
     # --- transformers cache layer ------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -420,12 +432,8 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         self._settle()
         flat = torch.from_numpy(self.table.head_slots(batch * self._heads + head)).to(self.device)
         flat = flat[self.pool.bias.view(-1)[flat] == 0]
-        pool = self.pool
-        return (
-            pool.keys.view(-1, pool.keys.shape[-1])[flat],
-            pool.values.view(-1, pool.values.shape[-1])[flat],
-            pool.positions.view(-1)[flat],
-        )
+        keys, values = self.pool.pairs(flat)  # dequantized when the storage is quantized
+        return keys, values, self.pool.positions.view(-1)[flat]
 
     def capacities(self) -> torch.Tensor:
         """``(B, H)`` slots held by each (batch row, KV head): its blocks times the block size."""
@@ -453,14 +461,16 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         return _tensor_bytes(self.held_objects()) if self.is_initialized else 0
 
     def _pair_bytes(self) -> int:
+        """Bytes of one pair in the model's dtype (an unpruned cache's)."""
         return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
 
     def kept_bytes(self) -> int:
-        """Bytes of the kept keys and values (no free slots, no bookkeeping)."""
+        """Bytes of the kept keys and values as stored (quantized: their codes and scales; no free slots, no
+        bookkeeping)."""
         if not self.is_initialized:
             return 0
         self._settle()
-        return sum(self.table.n) * self._pair_bytes()
+        return sum(self.table.n) * self.pool.slot_pair_bytes()
 
     def full_bytes(self) -> int:
         """Bytes of the keys and values of every position seen, as an unpruned cache would hold them."""
@@ -491,43 +501,43 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         kernel = self._decode_kernel(query) if q_len == 1 else None
         if kernel is not None:
             mask = None if am is None else am[:, 0].contiguous()  # (B or 1, seen)
-            out = kernel(
-                query.contiguous(),
-                pool.keys,
-                pool.values,
-                pool.bias,
-                pool.owner,
-                pool.positions,
-                mask,
-                nu,
-                self._heads,
-                float(scale),
-            )  # (B, Hq, 1, d)
+            args = (query.contiguous(), pool.keys, pool.values, pool.bias, pool.owner, pool.positions, mask, nu)
+            if pool.quantized:  # the kernel dequantizes each block as it reads it
+                out = kernel(*args, self._heads, float(scale), pool.key_scales, pool.value_scales, pool.kv_bits)
+            else:
+                out = kernel(*args, self._heads, float(scale))  # (B, Hq, 1, d)
             return out.transpose(1, 2).contiguous(), None
-        blocks = (pool.keys[:nu], pool.values[:nu], pool.positions[:nu], pool.bias[:nu], pool.owner[:nu])
-        # A multi-token step (question, prefill chunk) meets every stored slot: bound the (slots x rows) scratch
-        # by attending a few query positions at a time.
-        slots_x_group = nu * self.block_size * (n_q_heads // self._heads)
-        step = max(1, _ATTEND_SCRATCH // max(1, slots_x_group))
-        outs = []
-        for t0 in range(0, q_len, step):
-            t1 = min(q_len, t0 + step)
-            q_pos = None
-            if q_len > 1:
-                q_pos = torch.arange(self.seen - q_len + t0, self.seen - q_len + t1, device=self.device)
-            rows_mask = None if am is None else am[:, t0:t1]
-            outs.append(paged_attention(query[:, :, t0:t1], *blocks, self._heads, scale, q_pos=q_pos, mask=rows_mask))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, Hq, q, d)
+        if q_len > 1:
+            return self._attend_gathered(query, am, scale), None
+        # The generic decoding path (CUDA, no kernel): the used blocks in the model's dtype (dequantized
+        # copies when the storage is quantized), one query position.
+        blocks = (*pool.block_pairs(nu), pool.positions[:nu], pool.bias[:nu], pool.owner[:nu])
+        out = paged_attention(query, *blocks, self._heads, scale, mask=am)  # (B, Hq, 1, d)
         return out.transpose(1, 2).contiguous(), None
+
+    def _attend_gathered(self, query: torch.Tensor, am: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """A multi-token step (prefill chunk, question): each head's live pairs gathered in position order, then
+        torch's fused sdpa per head (:mod:`kvzap.paged.gathered`). Returns ``(B, q, Hq, d)``."""
+        self._sync()  # the table must know every eviction: a pair evicted on the device only would be gathered
+        q_len = query.shape[2]
+        slot = self.table.slot[:, : self.seen]
+        heads, positions = np.nonzero(slot >= 0)  # head by head, in position order
+        flat = torch.from_numpy(slot[heads, positions].astype(np.int64)).to(self.device)
+        counts = np.bincount(heads, minlength=self._nh).tolist()
+        keys, values = self.pool.pairs(flat)  # dequantized when the storage is quantized
+        q_pos = torch.arange(self.seen - q_len, self.seen, device=self.device)
+        out = gathered_attention(
+            query, keys, values, torch.from_numpy(positions).to(self.device), counts, self._heads, scale, q_pos, am
+        )
+        return out.transpose(1, 2).contiguous()
 
     def _decode_kernel(self, query: torch.Tensor):
         """The fused CPU kernel (:mod:`kvzap.paged.kernels`) for a decoding step, or None where it does not apply:
         CPU tensors of one dtype, no gradient, and the kernel built (or buildable) here."""
-        keys = self.pool.keys
         if (
-            keys is None
+            self.pool.keys is None
             or query.device.type != "cpu"
-            or query.dtype != keys.dtype
+            or query.dtype != self.pool.dtype
             or (query.requires_grad and torch.is_grad_enabled())
         ):
             return None
@@ -566,16 +576,18 @@ class CompactLayer(PrunableLayer, DynamicLayer):
         return super()._restore_field(name, value)
 
 
-def compact_layer_like(layer: Any) -> PrunableLayer:
+def compact_layer_like(layer: Any, *, kv_bits: int | None = None) -> PrunableLayer:
     """Like :func:`~kvzap.cache.prunable_layer_like`, with compact storage for full-attention layers.
 
-    Sliding-window layers get the masked storage (their window bounds their size anyway).
+    Sliding-window layers get the masked storage (their window bounds their size anyway), in the model's dtype:
+    ``kv_bits`` (None, 8 or 4, see :class:`CompactLayer`) applies to the compact layers only.
 
     Raises
     ------
     TypeError
         For cache layers kvzap cannot prune (static, quantized, offloaded ...).
     """
+    kv_bits = check_kv_bits(kv_bits)
     if type(layer) is DynamicLayer:
-        return CompactLayer()
+        return CompactLayer(kv_bits=kv_bits)
     return prunable_layer_like(layer)

@@ -53,9 +53,13 @@ class KVPressTextGenerationPipeline(Pipeline):
     enable_thinking : bool, passed to chat templates that support it (Qwen3).
     cache : an empty ``transformers.DynamicCache`` to fill (one is created when None); a cache that already holds
         tokens is refused (ValueError), since the context starts at position 0.
-    prefill_chunk_size : int, prefill the context in chunks of this many tokens, each pruned after its forward
-        (keeps the cache near its pruned size during prefill); None (default) prefills densely in one forward,
-        the paper's setting.
+    prefill_chunk_size : int, None or ``"auto"`` (default). An int prefills the context in chunks of this many
+        tokens, each pruned after its forward, so that later chunks attend to the kept pairs only: the first
+        token comes sooner on long contexts, and the cache stays near its pruned size during prefill. None
+        prefills densely in one forward (the paper's setting). ``"auto"`` takes the press's
+        ``default_prefill_chunk_size``: :data:`~kvzap.presses.threshold.PREFILL_CHUNK_SIZE` tokens for a threshold
+        press whose scorer scores every token alone (KVzap, FastKVzip, the baselines), one forward for top-k
+        presses and the KVzip+ oracle, which decide over the whole prompt.
     """
 
     def __call__(self, context, *args, batch_size: int | None = None, **kwargs):
@@ -116,7 +120,7 @@ class KVPressTextGenerationPipeline(Pipeline):
         press: BasePress | None = None,
         max_new_tokens: int = 50,
         cache=None,
-        prefill_chunk_size: int | None = None,
+        prefill_chunk_size: int | str | None = "auto",
     ) -> list[list[str]]:
         """Prefill the rows' contexts as one left-padded batch, then answer each row's questions on its row."""
         model = self.model
@@ -131,7 +135,7 @@ class KVPressTextGenerationPipeline(Pipeline):
         positions = (mask.cumsum(-1) - 1).clamp_min(0)  # each row's own positions, as generate derives them
         cache = _compat.new_dynamic_cache(model)
         cache_kw = _compat.cache_kwarg_name(model)
-        chunk = prefill_chunk_size or width
+        chunk = _chunk_size(press, prefill_chunk_size) or width
         chunked = chunk < width and press is not None
         # The first chunk holds all the padding (a row may not start with a chunk of padding only): the padding
         # is then evicted by that chunk's dense prefill, never stored.
@@ -174,7 +178,7 @@ class KVPressTextGenerationPipeline(Pipeline):
         max_context_length: int | None = None,
         enable_thinking: bool = False,
         cache: DynamicCache | None = None,
-        prefill_chunk_size: int | None = None,
+        prefill_chunk_size: int | str | None = "auto",
         **kwargs: Any,
     ):
         if kwargs:
@@ -199,9 +203,14 @@ class KVPressTextGenerationPipeline(Pipeline):
         max_context_length = as_number("max_context_length", max_context_length, integer=True, allow_none=True)
         if max_context_length is not None and max_context_length < 1:
             raise ValueError(f"max_context_length must be a positive int, got {max_context_length!r}.")
-        prefill_chunk_size = as_number("prefill_chunk_size", prefill_chunk_size, integer=True, allow_none=True)
-        if prefill_chunk_size is not None and prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be a positive int or None, got {prefill_chunk_size!r}.")
+        if not (isinstance(prefill_chunk_size, str) and prefill_chunk_size == "auto"):
+            if not isinstance(prefill_chunk_size, str):
+                prefill_chunk_size = as_number("prefill_chunk_size", prefill_chunk_size, integer=True, allow_none=True)
+            if isinstance(prefill_chunk_size, str) or (prefill_chunk_size is not None and prefill_chunk_size < 1):
+                raise ValueError(
+                    "prefill_chunk_size must be a positive int, None (one forward) or 'auto', got "
+                    f"{prefill_chunk_size!r}."
+                )
         enable_thinking = as_bool("enable_thinking", enable_thinking)
         if cache is not None and not isinstance(cache, DynamicCache):
             raise TypeError(f"cache must be a transformers.DynamicCache, got {type(cache).__name__}.")
@@ -249,7 +258,7 @@ class KVPressTextGenerationPipeline(Pipeline):
         press: BasePress | None = None,
         max_new_tokens: int = 50,
         cache=None,
-        prefill_chunk_size: int | None = None,
+        prefill_chunk_size: int | str | None = "auto",
     ):
         model = self.model
         context_ids = inputs["context_ids"].to(model.device)
@@ -262,7 +271,7 @@ class KVPressTextGenerationPipeline(Pipeline):
         cache = cache if cache is not None else _compat.new_dynamic_cache(model)
         cache_kw = _compat.cache_kwarg_name(model)
         n_context = context_ids.shape[1]
-        chunk = prefill_chunk_size or n_context
+        chunk = _chunk_size(press, prefill_chunk_size) or n_context
         chunked = chunk < n_context and press is not None
         with press(model) if press is not None else contextlib.nullcontext():
             with press.prefilling() if chunked else contextlib.nullcontext():
@@ -331,3 +340,10 @@ def register_pipeline() -> None:
     PIPELINE_REGISTRY.register_pipeline(
         TASK_NAME, pipeline_class=KVPressTextGenerationPipeline, pt_model=AutoModelForCausalLM
     )
+
+
+def _chunk_size(press: BasePress | None, prefill_chunk_size: int | str | None) -> int | None:
+    """Tokens per prefill forward: the caller's, or the press's default for ``"auto"`` (None: one forward)."""
+    if isinstance(prefill_chunk_size, str) and prefill_chunk_size == "auto":
+        return press.default_prefill_chunk_size if press is not None else None
+    return prefill_chunk_size

@@ -335,6 +335,29 @@ def test_a_numeric_attribute_set_later_is_range_checked(model, kind, name, attr)
         assert model_fingerprint(model)["attn"] == before["attn"]
 
 
+# kv_bits (every press) holds None by default, which the search above cannot see as a number: each press is
+# checked here, at construction (its factory's press with kv_bits given), set later, and inside the block.
+KV_BITS_BAD = [float("nan"), -1, 0, 3, 16, 8.0, "8", True]
+
+
+@pytest.mark.parametrize("name", sorted(PRESSES))
+def test_kv_bits_is_checked_on_every_press(model, name):
+    press = PRESSES[name]()
+    assert press.kv_bits is None
+    press.kv_bits = 8
+    for bad in KV_BITS_BAD:
+        with pytest.raises((TypeError, ValueError), match="kv_bits"):
+            press.kv_bits = bad
+        assert press.kv_bits == 8
+        with pytest.raises((TypeError, ValueError), match="kv_bits"):
+            dataclasses.replace(press, kv_bits=bad)
+    before = model_fingerprint(model)
+    with press(model):
+        with pytest.raises((TypeError, ValueError), match="kv_bits"):
+            press.kv_bits = float("nan")
+    assert model_fingerprint(model)["attn"] == before["attn"]
+
+
 def _pipe(model, tok):
     return pipeline("kv-press-text-generation", model=model, tokenizer=tok)
 
@@ -353,6 +376,8 @@ NUMERIC_ARGUMENTS = {
     "DMSThresholdPress threshold nan": lambda m, t: DMSThresholdPress(KeyNormScorer(), threshold=float("nan")),
     "DMSThresholdPress window -1": lambda m, t: DMSThresholdPress(KeyNormScorer(), 0.0, sliding_window_size=-1),
     "TopKPress nan": lambda m, t: TopKPress(KeyNormScorer(), target_compression=float("nan")),
+    "DMSThresholdPress kv_bits 3": lambda m, t: DMSThresholdPress(KeyNormScorer(), 0.0, kv_bits=3),
+    "DMSThresholdPress kv_bits nan": lambda m, t: DMSThresholdPress(KeyNormScorer(), 0.0, kv_bits=float("nan")),
     "ConstantScorer nan": lambda m, t: ConstantScorer(float("nan")),
     "RandomScorer seed -1": lambda m, t: RandomScorer(seed=-1),
     "KVzapSurrogate dim -1": lambda m, t: KVzapSurrogate(64, -1, 2),

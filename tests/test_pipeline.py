@@ -119,6 +119,49 @@ def test_chunked_prefill(pipe):
         pipe(CONTEXT, question="?", prefill_chunk_size=0)
 
 
+def _prefill_forwards(model, call):
+    """The widths of the forwards ``call()`` runs before its first one-token forward (prefill chunks, question)."""
+    widths = []
+
+    def record(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        widths.append(ids.shape[1])
+
+    hook = model.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        call()
+    finally:
+        hook.remove()
+    return widths[: widths.index(1)] if 1 in widths else widths
+
+
+def test_the_default_chunk_size_comes_from_the_press(pipe, llama, monkeypatch):
+    from kvzap import KVzipPlusScorer, TopKPress
+    from kvzap.presses import threshold
+
+    monkeypatch.setattr(threshold, "PREFILL_CHUNK_SIZE", 64)
+    n_context = pipe.preprocess(CONTEXT, ["Code?"], "", None, False)["context_ids"].shape[1]
+    chunked = _prefill_forwards(llama, lambda: pipe(CONTEXT, question="Code?", press=press(), max_new_tokens=2))
+    assert chunked[:-1] == [64] * (n_context // 64) + ([n_context % 64] if n_context % 64 else [])
+    explicit = _prefill_forwards(
+        llama, lambda: pipe(CONTEXT, question="Code?", press=press(), max_new_tokens=2, prefill_chunk_size=64)
+    )
+    assert explicit == chunked
+    # One forward: when asked (None), with no press, for a press that decides over the whole prompt, and when
+    # the threshold evicts nothing.
+    for kwargs in (
+        dict(press=press(), prefill_chunk_size=None),
+        dict(),
+        dict(press=TopKPress(RandomScorer(0), target_compression=0.5)),
+        dict(press=DMSThresholdPress(RandomScorer(0), threshold=float("-inf"))),
+    ):
+        widths = _prefill_forwards(llama, lambda kw=kwargs: pipe(CONTEXT, question="Code?", max_new_tokens=2, **kw))
+        assert widths[0] == n_context, kwargs
+    assert DMSThresholdPress(KVzipPlusScorer(), threshold=-3).default_prefill_chunk_size is None
+    with pytest.raises(ValueError, match="'auto'"):
+        pipe(CONTEXT, question="?", prefill_chunk_size="dense")
+
+
 CONTEXTS = [
     "The cat sat on the mat while the dog slept by the fire, dreaming of bones.",
     "Paris is the capital of France.",

@@ -8,7 +8,11 @@ takes tens of microseconds at 2k tokens. ``csrc/paged_decode.cpp`` does the same
 operator ``torch.ops.kvzap.paged_decode``.
 
 It is compiled on first use with :func:`torch.utils.cpp_extension.load_inline` into torch's extension cache
-(``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``): about 30-60 s once per machine and torch version.
+(``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``): about 30-60 s once per machine and torch install.
+The extension's name, hence its build folder, carries a hash of everything that changes the build (the source,
+the compiler flags, torch's include paths, torch's install path and version, see :func:`extension_name`): two
+virtual environments sharing the cache, even with the same torch version, each keep their own build instead of
+rebuilding each other's.
 That needs a C++ compiler and ninja (``pip install ninja``). Where either is missing, or the build fails, kvzap
 logs why once and uses the generic path, which computes the same result.
 
@@ -21,6 +25,7 @@ Control:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -29,12 +34,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build", "decode_kernel", "kernel_status", "set_kernels"]
+__all__ = ["build", "decode_kernel", "extension_name", "kernel_status", "set_kernels"]
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-_EXTENSION = "kvzap_paged_kernels"
+_EXTENSION = "kvzap_paged_kernels"  # the stem of the extension's name (see extension_name)
 
 _lock = threading.Lock()
 _enabled: bool | None = None  # None: follow KVZAP_KERNELS (default on)
@@ -68,19 +73,54 @@ def _cflags() -> list[str]:
     return flags
 
 
-def _build_folder() -> Path | None:
-    """The extension's folder in torch's extension cache, or None if torch's private helper is gone."""
+def _include_paths() -> list[str]:
+    """The include paths torch's extension builder passes to the compiler (those of this torch install)."""
+    try:
+        from torch.utils.cpp_extension import include_paths
+
+        return [str(p) for p in include_paths()]
+    except Exception:
+        return []
+
+
+def extension_name(
+    source: str | None = None,
+    cflags: list[str] | None = None,
+    include_paths: list[str] | None = None,
+    torch_path: str | None = None,
+) -> str:
+    """The extension's name: :data:`_EXTENSION` and a hash of the ``source``, the ``cflags``, the
+    ``include_paths`` and torch's install path and version (each defaults to this process's).
+
+    torch names the build folder after the extension, and rebuilds in place when its own check of sources and
+    flags differs: without the hash, two environments with the same torch version would share one folder and
+    rebuild it for each other in turn.
+    """
+    parts = [
+        _SOURCE.read_text() if source is None else source,
+        "\0".join(_cflags() if cflags is None else cflags),
+        "\0".join(_include_paths() if include_paths is None else include_paths),
+        str(Path(torch.__file__).resolve().parent) if torch_path is None else torch_path,
+        torch.__version__,
+    ]
+    digest = hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:16]
+    return f"{_EXTENSION}_{digest}"
+
+
+def _build_folder(name: str | None = None) -> Path | None:
+    """The folder of the extension ``name`` (default :func:`extension_name`) in torch's extension cache, or None
+    if torch's private helper is gone."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        return Path(_get_build_directory(_EXTENSION, verbose=False))
+        return Path(_get_build_directory(name or extension_name(), verbose=False))
     except Exception:
         return None
 
 
 def _built(folder: Path | None) -> bool:
     """Whether a build of the extension is already in its ``folder`` of torch's extension cache (it may still be
-    rebuilt if the source or flags changed: load_inline decides)."""
+    rebuilt if torch's own check of the source and flags says so: load_inline decides)."""
     return folder is not None and any(folder.glob(f"{_EXTENSION}*.so"))
 
 
@@ -130,17 +170,19 @@ def _load():
     from torch.utils.cpp_extension import load_inline
 
     start = time.perf_counter()
-    folder = _build_folder()
+    source, cflags = _SOURCE.read_text(), _cflags()
+    name = extension_name(source, cflags)
+    folder = _build_folder(name)
     if not _built(folder):
         logger.warning(
-            "Building kvzap's fused CPU decode kernel (once per machine and torch version, about 30-60 s; "
+            "Building kvzap's fused CPU decode kernel (once per machine and torch install, about 30-60 s; "
             "KVZAP_KERNELS=0 skips it and uses the generic path)."
         )
     _clear_stale_lock(folder)
     load_inline(
-        _EXTENSION,
-        cpp_sources=[_SOURCE.read_text()],
-        extra_cflags=_cflags(),
+        name,
+        cpp_sources=[source],
+        extra_cflags=cflags,
         is_python_module=False,
         verbose=False,
     )
@@ -153,8 +195,23 @@ def _load():
 def _register_fake() -> None:
     """Shapes for tracing (torch.compile, meta tensors): the output is ``(B, Hq, 1, d_v)`` in the query's dtype."""
 
-    def fake(query, keys, values, bias, owner, positions, mask, num_used, kv_heads, scale):
-        return query.new_empty(query.shape[0], query.shape[1], 1, values.shape[-1])
+    def fake(
+        query,
+        keys,
+        values,
+        bias,
+        owner,
+        positions,
+        mask,
+        num_used,
+        kv_heads,
+        scale,
+        key_scales=None,
+        value_scales=None,
+        bits=0,
+    ):
+        d_v = values.shape[-1] * (2 if bits == 4 else 1)  # 4-bit codes hold two channels per byte
+        return query.new_empty(query.shape[0], query.shape[1], 1, d_v)
 
     try:
         torch.library.register_fake("kvzap::paged_decode", fake)

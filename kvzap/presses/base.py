@@ -34,7 +34,7 @@ from kvzap.attention import ATTENTION_NAME, bind, ensure_registered, unbind
 from kvzap.cache import PrunableLayer, own_window, prunable_layer_like
 from kvzap.compact import compact_layer_like
 from kvzap.layers import is_sliding_module
-from kvzap.presses.checks import as_bool, as_number, check_number, check_score_shape, check_scores
+from kvzap.presses.checks import as_bool, as_number, check_kv_bits, check_number, check_score_shape, check_scores
 from kvzap.presses.padding import (
     _PAD_EVICTED,
     _PAD_MAX,
@@ -77,6 +77,10 @@ class BasePress(CompressionStats, ABC):
     ``storage`` (keyword only, every press): ``"compact"`` (default) physically frees evicted pairs;
     ``"masked"`` keeps them in a dense cache and hides them from attention (same logits).
 
+    ``kv_bits`` (keyword only, every press): None (default) stores the kept pairs in the model's dtype; 8 or 4
+    store them quantized, with float16 scales per slot and group of channels (compact storage only; see
+    :mod:`kvzap.paged.quant`). Sliding-window layers left in the masked storage keep the model's dtype.
+
     ``prune_sliding_layers`` (keyword only, every press): False (default) leaves the layers whose cache is
     bounded by a sliding window (see :mod:`kvzap.layers`) alone: they are not scored, not evicted, and not
     counted in the statistics, since evicting from them frees no memory. True prunes them like the others.
@@ -84,6 +88,7 @@ class BasePress(CompressionStats, ABC):
 
     storage: str = field(default="compact", kw_only=True)
     prune_sliding_layers: bool = field(default=False, kw_only=True)
+    kv_bits: int | None = field(default=None, kw_only=True)
 
     #: False for presses whose decisions mix the rows' columns (a top-k over the prompt would rank padding):
     #: left-padded batches are then refused.
@@ -107,6 +112,8 @@ class BasePress(CompressionStats, ABC):
             raise ValueError(f"storage must be one of {', '.join(map(repr, STORAGES))}, got {value!r}.")
         if name == "prune_sliding_layers":
             return as_bool("prune_sliding_layers", value)
+        if name == "kv_bits":
+            return check_kv_bits(value)
         return value
 
     # Locks and thread-local objects cannot be copied or pickled: a copy of a press starts with fresh ones.
@@ -164,6 +171,18 @@ class BasePress(CompressionStats, ABC):
         if not isinstance(self.storage, str) or self.storage not in STORAGES:
             raise ValueError(f"storage must be one of {', '.join(map(repr, STORAGES))}, got {self.storage!r}.")
         self.prune_sliding_layers = as_bool("prune_sliding_layers", self.prune_sliding_layers)
+        self.kv_bits = check_kv_bits(self.kv_bits)
+        if self.kv_bits is not None and self.storage != "compact":
+            raise ValueError(
+                f"kv_bits={self.kv_bits} quantizes the compact storage's pairs, but storage={self.storage!r} keeps a "
+                "dense cache in the model's dtype: use storage='compact' or kv_bits=None."
+            )
+
+    @property
+    def default_prefill_chunk_size(self) -> int | None:
+        """Tokens per forward of the prompt prefill when the pipeline is not told (its ``prefill_chunk_size``):
+        None, one forward, for presses that decide over the whole prompt at once (top-k)."""
+        return None
 
     def setup(self, model: PreTrainedModel) -> None:
         """Prepare for ``model`` before any hook is registered (e.g. load scorer weights)."""
@@ -199,6 +218,12 @@ class BasePress(CompressionStats, ABC):
             yield
         finally:
             self._prefilling = previous
+
+    def _storage_layer(self, layer: Any) -> PrunableLayer:
+        """The prunable layer of the press's storage (and ``kv_bits``) standing in for transformers' ``layer``."""
+        if self.kv_bits is not None:
+            return compact_layer_like(layer, kv_bits=self.kv_bits)
+        return STORAGES[self.storage](layer)
 
     # --- which layers the press touches -------------------------------------------------------------------------
     def _leaves_alone(self, module: nn.Module, layer: Any) -> bool:
@@ -238,11 +263,10 @@ class BasePress(CompressionStats, ABC):
             return None
         if len(layers) <= idx:
             # Lazily built cache (DynamicCache() without a config): create this layer ourselves.
-            new_layer = STORAGES[self.storage]
-            layers.extend(new_layer(_compat.DynamicLayer()) for _ in range(idx + 1 - len(layers)))
+            layers.extend(self._storage_layer(_compat.DynamicLayer()) for _ in range(idx + 1 - len(layers)))
         layer = layers[idx]
         if not isinstance(layer, PrunableLayer):
-            layer = layers[idx] = STORAGES[self.storage](layer)
+            layer = layers[idx] = self._storage_layer(layer)
         new_sequence = layer.seen == 0
         if new_sequence and idx == 0:
             self._stats.clear()

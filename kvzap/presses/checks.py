@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from kvzap import _compat
+from kvzap.paged.quant import check_kv_bits
 from kvzap.presses.scorer import Scorer
 
-__all__ = ["as_number", "as_bool", "check_number", "check_score_shape", "check_scores"]
+__all__ = ["as_number", "as_bool", "check_kv_bits", "check_number", "check_score_shape", "check_scores"]
 
 
 def as_number(name: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> Any:

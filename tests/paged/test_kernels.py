@@ -6,6 +6,7 @@ are skipped, unless ``KVZAP_REQUIRE_KERNELS=1`` (set by CI), which turns a faile
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,3 +217,31 @@ def test_a_stale_build_lock_is_removed_and_a_young_one_waited_for(tmp_path, capl
     assert 0.25 < time.perf_counter() - start < 5
     kernels._clear_stale_lock(tmp_path)  # no lock: returns at once
     kernels._clear_stale_lock(None)
+
+
+def test_the_build_folder_is_keyed_by_the_include_paths_flags_torch_and_source(tmp_path, monkeypatch):
+    """Two environments with the same torch version but their own include paths (or torch install) build into two
+    folders, and the same inputs always name the same folder: no environment rebuilds another's kernel."""
+    args = dict(source="int main() {}", cflags=["-O3"], torch_path="/env/a/torch")
+    first = kernels.extension_name(include_paths=["/env/a/include"], **args)
+    second = kernels.extension_name(include_paths=["/env/b/include"], **args)
+    assert first != second
+    assert first == kernels.extension_name(include_paths=["/env/a/include"], **args)
+    assert first.startswith(kernels._EXTENSION)
+    others = [
+        kernels.extension_name(include_paths=["/env/a/include"], **{**args, "torch_path": "/env/b/torch"}),
+        kernels.extension_name(include_paths=["/env/a/include"], **{**args, "cflags": ["-O2"]}),
+        kernels.extension_name(include_paths=["/env/a/include"], **{**args, "source": "int main() { return 1; }"}),
+    ]
+    assert len({first, *others}) == 4
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # torch makes the folders: not in the real cache
+    folders = {kernels._build_folder(name) for name in (first, second)}
+    assert len(folders) == 2 and None not in folders
+    assert kernels._build_folder(first) == kernels._build_folder(first)
+    # This process's name covers this environment's include paths and torch install.
+    assert kernels.extension_name() == kernels.extension_name(
+        kernels._SOURCE.read_text(),
+        kernels._cflags(),
+        kernels._include_paths(),
+        str(Path(torch.__file__).resolve().parent),
+    )

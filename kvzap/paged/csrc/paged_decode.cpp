@@ -6,6 +6,10 @@
 // at::parallel_for, so it uses torch's intra-op threads. Reads each kept pair once per step, writes nothing but
 // the output, and replaces the ~14 tensor operations (and their dispatch) of the generic path.
 //
+// Quantized storage (kv_bits 8 or 4, kvzap.paged.quant): keys and values are uint8 codes (two 4-bit codes per
+// byte, the even channel in the low nibble) with float16 (scale, min) per slot and group of channels; each block
+// is dequantized into float buffers of the task as it is read (code * scale + min), then attended as float pairs.
+//
 // Built on first use by kvzap.paged.kernels (torch.utils.cpp_extension.load_inline); the generic path serves
 // every case this kernel does not take (multi-token steps, CUDA, no compiler).
 
@@ -201,17 +205,102 @@ inline void block_update_f32(float* lg, int64_t bs, const float* vb, int64_t dv,
 }
 #endif
 
+// One block of a head for the group's query rows: logits (with the slots' additive bias sb), then the online
+// softmax update of each row's running max mx, sum sm and weighted values acc.
+template <typename kv_t>
+inline void block_step(const float* q, int64_t groups, int64_t d, int64_t dv, int64_t bs, const kv_t* kb,
+                       const kv_t* vb, const float* sb, float* logits, float* mx, float* sm, float* acc) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+#ifdef KVZAP_AVX2
+  if constexpr (std::is_same_v<kv_t, float>) {
+    if (d % 8 == 0 && dv % 8 == 0) {
+      block_logits_f32(q, groups, d, kb, bs, sb, logits);
+      for (int64_t g = 0; g < groups; ++g) block_update_f32(logits + g * bs, bs, vb, dv, mx[g], sm[g], acc + g * dv);
+      return;
+    }
+  }
+#endif
+  for (int64_t s = 0; s < bs; ++s) {
+    const kv_t* ks = kb + s * d;
+    for (int64_t g = 0; g < groups; ++g) logits[g * bs + s] = sb[s] == ninf ? ninf : dot(q + g * d, ks, d) + sb[s];
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    float* lg = logits + g * bs;
+    float block_max = ninf;
+    for (int64_t s = 0; s < bs; ++s) block_max = std::max(block_max, lg[s]);
+    if (block_max == ninf) continue;
+    const float new_max = std::max(mx[g], block_max);
+    const float rescale = mx[g] == ninf ? 0.f : exp_nonpositive(mx[g] - new_max);
+    float* a = acc + g * dv;
+    if (rescale != 1.f) {
+      sm[g] *= rescale;
+      for (int64_t i = 0; i < dv; ++i) a[i] *= rescale;
+    }
+    mx[g] = new_max;
+    float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+    for (int64_t s = 0; s < bs; ++s) {
+      const float w = lg[s] == ninf ? 0.f : exp_nonpositive(lg[s] - new_max);
+      lg[s] = w;
+      block_sum += w;
+    }
+    sm[g] += block_sum;
+    for (int64_t s = 0; s < bs; ++s) {
+      const float w = lg[s];
+      if (w == 0.f) continue;
+      const kv_t* vs = vb + s * dv;
+#pragma omp simd
+      for (int64_t i = 0; i < dv; ++i) a[i] += w * static_cast<float>(vs[i]);
+    }
+  }
+}
+
+// A block's quantized vectors (bs slots of d channels, ng groups) into floats: code * scale + min per group.
+inline void dequant_block(const uint8_t* codes, const at::Half* scales, int64_t bs, int64_t d, int64_t ng,
+                          int64_t bits, float* out) {
+  const int64_t group = d / ng, width = bits == 8 ? d : d / 2;
+  for (int64_t s = 0; s < bs; ++s) {
+    const uint8_t* c = codes + s * width;
+    const at::Half* sc = scales + s * ng * 2;
+    float* o = out + s * d;
+    for (int64_t g = 0; g < ng; ++g) {
+      const float scale = static_cast<float>(sc[2 * g]), mn = static_cast<float>(sc[2 * g + 1]);
+      float* og = o + g * group;
+      if (bits == 8) {
+        const uint8_t* cg = c + g * group;
+#pragma omp simd
+        for (int64_t i = 0; i < group; ++i) og[i] = static_cast<float>(cg[i]) * scale + mn;
+      } else {
+        const uint8_t* cg = c + g * group / 2;
+#pragma omp simd
+        for (int64_t i = 0; i < group / 2; ++i) {
+          og[2 * i] = static_cast<float>(cg[i] & 15) * scale + mn;
+          og[2 * i + 1] = static_cast<float>(cg[i] >> 4) * scale + mn;
+        }
+      }
+    }
+  }
+}
+
 template <typename scalar_t>
 void decode_kernel(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                    const at::Tensor& bias, const at::Tensor& owner, const at::Tensor& positions,
                    const c10::optional<at::Tensor>& mask, int64_t num_used, int64_t kv_heads, double scale,
-                   at::Tensor& out) {
+                   const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,
+                   int64_t bits, at::Tensor& out) {
   const int64_t bsz = query.size(0), n_q_heads = query.size(1), d = query.size(3);
   const int64_t groups = n_q_heads / kv_heads, nh = bsz * kv_heads;
-  const int64_t bs = keys.size(1), dv = values.size(2);
+  const bool quant = bits != 0;
+  const int64_t bs = keys.size(1), dv = out.size(3);
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = keys.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = values.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = quant ? nullptr : keys.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = quant ? nullptr : values.data_ptr<scalar_t>();
+  const uint8_t* kc_ptr = quant ? keys.data_ptr<uint8_t>() : nullptr;
+  const uint8_t* vc_ptr = quant ? values.data_ptr<uint8_t>() : nullptr;
+  const at::Half* ks_ptr = quant ? key_scales->data_ptr<at::Half>() : nullptr;
+  const at::Half* vs_ptr = quant ? value_scales->data_ptr<at::Half>() : nullptr;
+  const int64_t kcw = keys.size(2), vcw = values.size(2);
+  const int64_t kng = quant ? key_scales->size(2) : 0, vng = quant ? value_scales->size(2) : 0;
   const scalar_t* b_ptr = bias.data_ptr<scalar_t>();
   const int64_t* o_ptr = owner.data_ptr<int64_t>();
   const int32_t* p_ptr = positions.data_ptr<int32_t>();
@@ -241,6 +330,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& keys, const at::Te
   const int64_t grain = num_used < 16 ? n_tasks : 1;
   at::parallel_for(0, n_tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> q(groups * d), logits(groups * bs), sb(bs);
+    std::vector<float> kf(quant ? bs * d : 0), vf(quant ? bs * dv : 0);  // a quantized block, dequantized
     for (int64_t t = begin; t < end; ++t) {
       const int64_t h = tasks[t].first, c0 = tasks[t].second;
       const int64_t b = h / kv_heads;
@@ -260,8 +350,6 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& keys, const at::Te
       const bool* mrow = m_ptr ? m_ptr + std::min(b, m_rows - 1) * seen : nullptr;
       for (int64_t ci = c0; ci < c1; ++ci) {
         const int64_t blk = blocks[ci];
-        const scalar_t* kb = k_ptr + blk * bs * d;
-        const scalar_t* vb = v_ptr + blk * bs * dv;
         const scalar_t* bb = b_ptr + blk * bs;
         const int32_t* pb = p_ptr + blk * bs;
         // The slots' additive bias (0 live, -inf free or hidden by the mask).
@@ -276,49 +364,13 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& keys, const at::Te
           any_live |= bias_s != ninf;
         }
         if (!any_live) continue;
-#ifdef KVZAP_AVX2
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          if (d % 8 == 0 && dv % 8 == 0) {
-            block_logits_f32(q.data(), groups, d, kb, bs, sb.data(), logits.data());
-            for (int64_t g = 0; g < groups; ++g)
-              block_update_f32(logits.data() + g * bs, bs, vb, dv, mx[g], sm[g], acc + g * dv);
-            continue;
-          }
-        }
-#endif
-        for (int64_t s = 0; s < bs; ++s) {
-          const scalar_t* ks = kb + s * d;
-          for (int64_t g = 0; g < groups; ++g)
-            logits[g * bs + s] = sb[s] == ninf ? ninf : dot(q.data() + g * d, ks, d) + sb[s];
-        }
-        for (int64_t g = 0; g < groups; ++g) {
-          float* lg = logits.data() + g * bs;
-          float block_max = ninf;
-          for (int64_t s = 0; s < bs; ++s) block_max = std::max(block_max, lg[s]);
-          if (block_max == ninf) continue;
-          const float new_max = std::max(mx[g], block_max);
-          const float rescale = mx[g] == ninf ? 0.f : exp_nonpositive(mx[g] - new_max);
-          float* a = acc + g * dv;
-          if (rescale != 1.f) {
-            sm[g] *= rescale;
-            for (int64_t i = 0; i < dv; ++i) a[i] *= rescale;
-          }
-          mx[g] = new_max;
-          float block_sum = 0.f;
-#pragma omp simd reduction(+ : block_sum)
-          for (int64_t s = 0; s < bs; ++s) {
-            const float w = lg[s] == ninf ? 0.f : exp_nonpositive(lg[s] - new_max);
-            lg[s] = w;
-            block_sum += w;
-          }
-          sm[g] += block_sum;
-          for (int64_t s = 0; s < bs; ++s) {
-            const float w = lg[s];
-            if (w == 0.f) continue;
-            const scalar_t* vs = vb + s * dv;
-#pragma omp simd
-            for (int64_t i = 0; i < dv; ++i) a[i] += w * static_cast<float>(vs[i]);
-          }
+        if (quant) {
+          dequant_block(kc_ptr + blk * bs * kcw, ks_ptr + blk * bs * kng * 2, bs, d, kng, bits, kf.data());
+          dequant_block(vc_ptr + blk * bs * vcw, vs_ptr + blk * bs * vng * 2, bs, dv, vng, bits, vf.data());
+          block_step<float>(q.data(), groups, d, dv, bs, kf.data(), vf.data(), sb.data(), logits.data(), mx, sm, acc);
+        } else {
+          block_step<scalar_t>(q.data(), groups, d, dv, bs, k_ptr + blk * bs * d, v_ptr + blk * bs * dv, sb.data(),
+                               logits.data(), mx, sm, acc);
         }
       }
     }
@@ -353,26 +405,51 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& keys, const at::Te
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                         const at::Tensor& bias, const at::Tensor& owner, const at::Tensor& positions,
-                        const c10::optional<at::Tensor>& mask, int64_t num_used, int64_t kv_heads, double scale) {
+                        const c10::optional<at::Tensor>& mask, int64_t num_used, int64_t kv_heads, double scale,
+                        const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,
+                        int64_t bits) {
   TORCH_CHECK(query.dim() == 4 && query.size(2) == 1, "paged_decode: query must be (B, Hq, 1, d)");
   TORCH_CHECK(query.is_contiguous() && keys.is_contiguous() && values.is_contiguous() && bias.is_contiguous() &&
                   owner.is_contiguous() && positions.is_contiguous(),
               "paged_decode: tensors must be contiguous");
-  TORCH_CHECK(keys.scalar_type() == query.scalar_type() && values.scalar_type() == query.scalar_type() &&
-                  bias.scalar_type() == query.scalar_type(),
-              "paged_decode: query, keys, values and bias must share a dtype");
+  TORCH_CHECK(bias.scalar_type() == query.scalar_type(), "paged_decode: query and bias must share a dtype");
+  const int64_t d = query.size(3);
+  int64_t dv = values.size(2);
+  if (bits == 0) {
+    TORCH_CHECK(!key_scales.has_value() && !value_scales.has_value(), "paged_decode: scales given without bits");
+    TORCH_CHECK(keys.scalar_type() == query.scalar_type() && values.scalar_type() == query.scalar_type(),
+                "paged_decode: query, keys, values and bias must share a dtype");
+    TORCH_CHECK(keys.size(2) == d, "paged_decode: keys and query head sizes differ");
+  } else {
+    TORCH_CHECK(bits == 8 || bits == 4, "paged_decode: bits must be 0 (float pairs), 8 or 4");
+    TORCH_CHECK(key_scales.has_value() && value_scales.has_value(), "paged_decode: quantized pairs need their scales");
+    TORCH_CHECK(keys.scalar_type() == at::kByte && values.scalar_type() == at::kByte,
+                "paged_decode: quantized keys and values must be uint8 codes");
+    if (bits == 4) dv *= 2;
+    TORCH_CHECK(keys.size(2) == (bits == 8 ? d : d / 2) && (bits == 8 || d % 2 == 0),
+                "paged_decode: the keys' codes do not match the query's head size");
+    for (const auto* sc : {&*key_scales, &*value_scales}) {
+      TORCH_CHECK(sc->scalar_type() == at::kHalf && sc->dim() == 4 && sc->size(3) == 2 && sc->is_contiguous() &&
+                      sc->size(0) == keys.size(0) && sc->size(1) == keys.size(1),
+                  "paged_decode: scales must be contiguous float16 (num_blocks, block_size, groups, 2)");
+    }
+    TORCH_CHECK(d % key_scales->size(2) == 0 && dv % value_scales->size(2) == 0,
+                "paged_decode: groups must divide the head sizes");
+    TORCH_CHECK(bits == 8 || ((d / key_scales->size(2)) % 2 == 0 && (dv / value_scales->size(2)) % 2 == 0),
+                "paged_decode: 4-bit groups must hold an even number of channels");
+  }
   TORCH_CHECK(owner.scalar_type() == at::kLong && positions.scalar_type() == at::kInt,
               "paged_decode: owner must be int64 and positions int32");
   TORCH_CHECK(kv_heads > 0 && query.size(1) % kv_heads == 0, "paged_decode: query heads must be a multiple of kv_heads");
-  TORCH_CHECK(keys.size(2) == query.size(3), "paged_decode: keys and query head sizes differ");
   TORCH_CHECK(num_used >= 0 && num_used <= keys.size(0), "paged_decode: num_used out of range");
   if (mask.has_value()) {
     TORCH_CHECK(mask->dim() == 2 && mask->scalar_type() == at::kBool && mask->is_contiguous(),
                 "paged_decode: mask must be a contiguous bool (B or 1, seen) tensor");
   }
-  at::Tensor out = at::empty({query.size(0), query.size(1), 1, values.size(2)}, query.options());
+  at::Tensor out = at::empty({query.size(0), query.size(1), 1, dv}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(query, keys, values, bias, owner, positions, mask, num_used, kv_heads, scale, out);
+    decode_kernel<scalar_t>(query, keys, values, bias, owner, positions, mask, num_used, kv_heads, scale, key_scales,
+                            value_scales, bits, out);
   });
   return out;
 }
@@ -381,7 +458,8 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& keys, const a
 
 TORCH_LIBRARY(kvzap, m) {
   m.def("paged_decode(Tensor query, Tensor keys, Tensor values, Tensor bias, Tensor owner, Tensor positions, "
-        "Tensor? mask, int num_used, int kv_heads, float scale) -> Tensor");
+        "Tensor? mask, int num_used, int kv_heads, float scale, Tensor? key_scales=None, Tensor? value_scales=None, "
+        "int bits=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvzap, CPU, m) { m.impl("paged_decode", TORCH_FN(paged_decode)); }
