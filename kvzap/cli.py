@@ -1,4 +1,5 @@
-"""The ``kvzap`` command line: ``kvzap demo`` (the main job), ``calibrate``, ``train``, ``evaluate`` and ``info``."""
+"""The ``kvzap`` command line: ``kvzap demo`` (the main job), ``calibrate``, ``train``, ``evaluate``, ``harness``
+and ``info``."""
 
 from __future__ import annotations
 
@@ -301,9 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     # (listed here for --help only).
     sub.add_parser("train", help="collect KVzip+ targets and fit surrogates: `kvzap train --help`")
     sub.add_parser("evaluate", help="accuracy vs compression on long-context benchmarks: `kvzap evaluate --help`")
+    sub.add_parser(
+        "harness", help="lm-evaluation-harness with the kvzap model and offline tasks: `kvzap harness --help`"
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["train"], ["evaluate"]):
         return _run_tool(argv[0], argv[1:])
+    if argv[:1] == ["harness"]:
+        return _run_harness(argv[1:])
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
@@ -369,6 +375,20 @@ def _run_tool(command: str, argv: list[str]) -> int:
     _import_tool(package)
     entry = importlib.import_module(f"kvzap.{package}.__main__")
     return int(entry.main(argv, prog=f"kvzap {command}") or 0)
+
+
+def _run_harness(argv: list[str]) -> int:
+    """Run ``kvzap harness ...`` (lm-eval's command line with the kvzap model registered, :mod:`kvzap.harness`)."""
+    import importlib
+
+    try:
+        harness_cli = importlib.import_module("kvzap.harness.cli")
+    except ModuleNotFoundError as error:
+        if error.name is None or not error.name.startswith("lm_eval"):
+            raise
+        print(f"kvzap harness: error: {error}", file=sys.stderr)
+        return 2
+    return int(harness_cli.main(argv, prog="kvzap harness") or 0)
 
 
 if __name__ == "__main__":
