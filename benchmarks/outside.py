@@ -5,7 +5,10 @@ Nothing here imports kvzap or calls its accounting (``kv_bytes``, ``physical_byt
 - :func:`reachable_bytes` walks every object reachable from a root (attributes, ``__slots__``, dicts, lists,
   tuples, sets, deques) and adds up the *storages* of the tensors it meets, each storage once and whole (a view of
   a large tensor keeps all of it alive, so it counts all of it), plus NumPy arrays (host memory, by their owning
-  array). Modules (model weights), classes, functions and weak references are not followed.
+  array). A tensor subclass that wraps others (``__tensor_flatten__``, e.g. optimum-quanto's packed int4/int2
+  tensors, whose own storage cannot be read) counts the storages of its inner tensors, recursively; HQQ's
+  quantized states (a packed tensor and a dict of scales and zeros) are plain tensors in a tuple and a dict.
+  Modules (model weights), classes, functions and weak references are not followed.
 - :func:`live_bytes` adds up every tensor storage alive in the process (``gc.get_objects()``), minus the given
   storages (the model's parameters and buffers).
 - :class:`LayerExitSampler` samples :func:`live_bytes` at the exit of every decoder layer of a model (a forward hook
@@ -44,9 +47,9 @@ __all__ = [
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
     try:
         storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse or meta tensors have no plain storage
+        ptr = storage.data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse, meta and wrapper-subclass tensors have no plain storage
         return None
-    ptr = storage.data_ptr()
     if ptr == 0:
         return None  # empty storage
     return (str(t.device), ptr)
@@ -54,6 +57,18 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
 
 def _storage_nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
+
+
+def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a wrapper subclass is made of (``__tensor_flatten__``: quanto's packed tensors hold their bits,
+    scales and shifts in inner tensors, and the wrapper itself has no storage); empty for a plain tensor."""
+    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return []
+    try:
+        names, _ = t.__tensor_flatten__()
+    except (NotImplementedError, TypeError, RuntimeError):
+        return []
+    return [inner for inner in (getattr(t, name, None) for name in names) if isinstance(inner, torch.Tensor)]
 
 
 def _numpy_owner(a: np.ndarray) -> np.ndarray:
@@ -107,6 +122,10 @@ def reachable_bytes(root: Any, exclude: set | None = None) -> Bytes:
             continue
         seen_objects.add(id(obj))
         if isinstance(obj, torch.Tensor):
+            inner = _inner_tensors(obj)
+            if inner:  # a wrapper subclass: its inner tensors hold the bytes (walked the same way, recursively)
+                stack.extend(inner)
+                continue
             key = _storage_key(obj)
             if key is not None and key not in exclude:
                 storages[key] = _storage_nbytes(obj)

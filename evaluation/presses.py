@@ -1,13 +1,21 @@
 """Registry of the presses the evaluation can run, by name.
 
 Each entry says which knob it takes: ``"threshold"`` (DMS presses, the compression ratio is an outcome),
-``"compression_ratio"`` (top-k baselines, the ratio is the input) or nothing (the full cache). A factory builds a
-fresh press for one value of that knob.
+``"compression_ratio"`` (top-k baselines, the ratio is the input) or nothing (the full cache, and the caches below).
+A factory builds a fresh press for one value of that knob.
+
+The alternatives to pruning that a user would try first are entries too: transformers' static cache
+(``static_cache``) and its quantized cache (``quanto_int4``, ``quanto_int2``, ``hqq_int4``, ``hqq_int2``). They
+are not presses but caches; their factory builds a :class:`CacheMethod`, which the runner applies by prefilling
+and answering into a fresh cache of that kind (what ``generate(..., cache_implementation=...)`` does), with no
+press. ``kvzap_mlp_kv8`` and ``kvzap_mlp_kv4`` are KVzap-MLP with its kept pairs stored at 8 or 4 bits
+(``kv_bits``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,13 +34,70 @@ from kvzap.presses import (
     TopKPress,
 )
 
-__all__ = ["PressFactory", "PRESSES", "make_press", "PressNotAvailableError", "weights_fingerprint", "bundled_weights"]
+__all__ = [
+    "PressFactory",
+    "PRESSES",
+    "CacheMethod",
+    "make_press",
+    "PressNotAvailableError",
+    "weights_fingerprint",
+    "bundled_weights",
+]
 
 Knob = Literal["threshold", "compression_ratio"] | None
 
 
 class PressNotAvailableError(NotImplementedError):
     """The press is declared in the registry but not implemented yet."""
+
+
+@dataclass(frozen=True)
+class CacheMethod:
+    """A cache the evaluation answers with in place of a press: transformers' static or quantized cache.
+
+    Parameters
+    ----------
+    name : registry key.
+    kind : ``"static"`` (preallocated, full precision) or ``"quantized"``.
+    backend, nbits : the quantized cache's backend (``"quanto"`` or ``"hqq"``) and bits (4 or 2); None for static.
+
+    :meth:`new_cache` gives the empty cache of one sample; nothing is evicted, so its compression ratio is 0.
+    """
+
+    name: str
+    kind: Literal["static", "quantized"]
+    backend: str | None = None
+    nbits: int | None = None
+
+    def new_cache(self, model, max_len: int):
+        """An empty cache for ``model``, room for ``max_len`` tokens (the prompt, the question and the answer)."""
+        from transformers import QuantizedCache, StaticCache
+
+        if self.kind == "static":
+            return StaticCache(config=model.config, max_cache_len=int(max_len))
+        return QuantizedCache(self.backend, model.config, nbits=self.nbits)
+
+
+# The Python package each quantized cache backend needs, as transformers imports it.
+_BACKEND_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
+
+
+def _cache_method(name: str, kind: str, backend: str | None = None, nbits: int | None = None):
+    def build(value=None, **_):
+        if backend is not None:
+            module, package = _BACKEND_PACKAGES[backend]
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except ModuleNotFoundError:  # the parent package (optimum) is missing too
+                found = False
+            if not found:
+                raise PressNotAvailableError(
+                    f"{name} uses transformers' quantized cache with the {backend} backend, which needs the "
+                    f"{package} package: pip install {package}."
+                )
+        return CacheMethod(name, kind, backend, nbits)
+
+    return build
 
 
 @dataclass(frozen=True)
@@ -43,8 +108,8 @@ class PressFactory:
     ----------
     name : registry key, also used in run directory names.
     knob : ``"threshold"``, ``"compression_ratio"`` or None (no parameter).
-    build : ``build(value, surrogate=..., sliding_window_size=..., decoding=..., seed=...)`` -> press or None;
-        None when the press is not available yet.
+    build : ``build(value, surrogate=..., sliding_window_size=..., decoding=..., seed=...)`` -> press, a
+        :class:`CacheMethod`, or None (the full cache); ``build`` itself is None when the press is not available.
     description : one line for ``--help`` and the README.
     surrogate_type : the learned weights the press reads (``"mlp"``, ``"linear"``, ``"fastkvzip"``), also the
         sub-directory it reads from a directory holding several (the ``kvzap train fit`` output); None for
@@ -55,7 +120,7 @@ class PressFactory:
 
     name: str
     knob: Knob
-    build: Callable[..., BasePress | None] | None
+    build: Callable[..., BasePress | CacheMethod | None] | None
     description: str
     surrogate_type: str | None = None
     batchable: bool = True
@@ -90,10 +155,12 @@ def bundled_weights(model_name: str, press: str) -> str | None:
     return weights_fingerprint(bundled_surrogate_dir(model_name, kind))
 
 
-def _kvzap(model_type: str):
+def _kvzap(model_type: str, **extra):
     def build(value, *, surrogate=None, sliding_window_size=128, decoding=False, **_):
         scorer = KVzapScorer(model_type, surrogate=surrogate)
-        return DMSThresholdPress(scorer, float(value), sliding_window_size=sliding_window_size, decoding=decoding)
+        return DMSThresholdPress(
+            scorer, float(value), sliding_window_size=sliding_window_size, decoding=decoding, **extra
+        )
 
     return build
 
@@ -130,6 +197,20 @@ PRESSES: dict[str, PressFactory] = {
             "kvzap_mlp", "threshold", _kvzap("mlp"), "KVzap-MLP surrogate, DMS threshold with sliding window", "mlp"
         ),
         PressFactory(
+            "kvzap_mlp_kv8",
+            "threshold",
+            _kvzap("mlp", kv_bits=8),
+            "KVzap-MLP surrogate, DMS threshold with sliding window, kept pairs stored at 8 bits",
+            "mlp",
+        ),
+        PressFactory(
+            "kvzap_mlp_kv4",
+            "threshold",
+            _kvzap("mlp", kv_bits=4),
+            "KVzap-MLP surrogate, DMS threshold with sliding window, kept pairs stored at 4 bits",
+            "mlp",
+        ),
+        PressFactory(
             "kvzap_linear",
             "threshold",
             _kvzap("linear"),
@@ -163,6 +244,22 @@ PRESSES: dict[str, PressFactory] = {
             "Fast KVzip gates (log-gate threshold), sliding window",
             "fastkvzip",
         ),
+        PressFactory(
+            "static_cache",
+            None,
+            _cache_method("static_cache", "static"),
+            "no press, transformers' static cache (preallocated)",
+        ),
+        *(
+            PressFactory(
+                f"{backend}_int{nbits}",
+                None,
+                _cache_method(f"{backend}_int{nbits}", "quantized", backend, nbits),
+                f"no press, transformers' quantized cache ({label} int{nbits}, groups of 64, last 128 tokens full)",
+            )
+            for backend, label in (("quanto", "optimum-quanto"), ("hqq", "HQQ"))
+            for nbits in (4, 2)
+        ),
     )
 }
 
@@ -175,7 +272,7 @@ def make_press(
     sliding_window_size: int = 128,
     decoding: bool = False,
     seed: int = 0,
-) -> BasePress | None:
+) -> BasePress | CacheMethod | None:
     """Build press ``name`` for one threshold or compression ratio.
 
     Parameters
@@ -189,12 +286,12 @@ def make_press(
 
     Returns
     -------
-    BasePress, or None for the full cache.
+    BasePress; a :class:`CacheMethod` for the static and quantized caches; None for the full cache.
 
     Raises
     ------
     ValueError : unknown name, or a missing value.
-    PressNotAvailableError : the press is declared but not implemented yet.
+    PressNotAvailableError : the press is declared but not implemented yet, or its backend is not installed.
     """
     if name not in PRESSES:
         raise ValueError(f"Unknown press {name!r}; choose from {', '.join(PRESSES)}.")

@@ -28,7 +28,7 @@ from .benchmarks import LoadRequest
 # The sweep's settings and runs, importable from here too: the runner is where a sweep starts.
 from .config import DEFAULT_LENGTH, DEFAULT_N_SAMPLES, EvalConfig, load_config
 from .plan import RunSpec, _config_record, _model_name, plan_runs, run_dir, surrogate_weights
-from .presses import make_press
+from .presses import CacheMethod, make_press
 from .rundirs import (
     PARTIAL,
     PREDICTION_COLUMNS,
@@ -87,11 +87,12 @@ def _write_predictions(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def _make_run_press(config: EvalConfig, run: RunSpec):
-    """The press of one run (None for the full cache); threshold presses prune while decoding when the dataset
-    asks for it (aime25) or ``decoding`` is set."""
+    """The press of one run (None for the full cache, a :class:`~evaluation.presses.CacheMethod` for transformers'
+    static and quantized caches); threshold presses prune while decoding when the dataset asks for it (aime25) or
+    ``decoding`` is set."""
     decoding = bool(config.decoding_for(run.knob))
     try:
-        return make_press(
+        press = make_press(
             run.press,
             run.value,
             surrogate=config.surrogate_for(run.press),
@@ -103,6 +104,25 @@ def _make_run_press(config: EvalConfig, run: RunSpec):
         if decoding and config.benchmark.sampled:
             raise ValueError(f"{config.dataset} prunes while decoding, which {run.press} cannot: {error}") from error
         raise
+    if isinstance(press, CacheMethod) and config.benchmark.sampled:
+        raise ValueError(
+            f"{run.press} is a cache, not a press: the evaluation answers with it through the pipeline's greedy "
+            f"decoding, and {config.dataset} samples its answers with model.generate; run {run.press} on a "
+            "greedy dataset (ruler, longbench), or pass cache_implementation to generate yourself."
+        )
+    return press
+
+
+def _answer_with_cache(pipe, method: CacheMethod, sample: dict[str, Any], budget: int, max_context_length) -> str:
+    """One sample answered as the pipeline answers it (same prompt, greedy decoding), into a fresh cache of
+    ``method``'s kind and with no press: the pipeline's own forward, handed that cache."""
+    inputs = pipe.preprocess(
+        sample["context"], [sample["question"]], sample["answer_prefix"], max_context_length, False
+    )
+    room = inputs["context_ids"].shape[1] + inputs["question_ids"][0].shape[1] + budget
+    cache = method.new_cache(pipe.model, room)
+    answers = pipe._forward(inputs, press=None, max_new_tokens=budget, cache=cache)
+    return pipe.postprocess(answers, single_question=True)["answer"]
 
 
 def _append_partial(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -223,7 +243,16 @@ def _evaluate_run(
 
     budgets = [config.max_new_tokens or s["max_new_tokens"] for s in todo]
     progress = tqdm(total=len(mine), initial=len(mine) - len(todo), desc=run.label, leave=False, unit="sample")
-    if benchmark.sampled or config.batch_size == 1:
+    if isinstance(press, CacheMethod):
+        # A cache of the method's own kind for every sample, one sample at a time (the pipeline's batched prefill
+        # builds its own dynamic cache); nothing is evicted.
+        if config.batch_size > 1 and todo:
+            logger.info("%s: %s answers one sample at a time (a cache of its own each)", run.label, run.press)
+        for sample, budget in zip(todo, budgets, strict=True):
+            prediction = _answer_with_cache(pipe, press, sample, budget, max_context_length)
+            finish([row(sample, prediction, 0.0)])
+            progress.update(1)
+    elif benchmark.sampled or config.batch_size == 1:
         for sample, budget in zip(todo, budgets, strict=True):
             if benchmark.sampled:
                 prediction = aime.generate(
