@@ -47,7 +47,7 @@ def make_press(args) -> DMSThresholdPress:
 
 
 def chunk_of(mode: str):
-    if mode == "dense":
+    if mode in ("dense", "none"):
         return None
     if mode == "auto":
         return "auto"
@@ -83,11 +83,11 @@ def _scoped():
     import kvzap.compact
     import kvzap.presses.base
     import kvzap.presses.baseline_scorers
-    import kvzap.presses.kvzap_scorer
+    import kvzap.presses.surrogate_scorer
 
     targets = [
         (kvzap.compact.CompactLayer, "attend", "attention"),
-        (kvzap.presses.kvzap_scorer.KVzapScorer, "score", "scoring"),
+        (kvzap.presses.surrogate_scorer.SurrogateScorer, "score", "scoring"),
         (kvzap.presses.baseline_scorers.RandomScorer, "score", "scoring"),
         (kvzap.compact.CompactLayer, "update", "bookkeeping"),
         (kvzap.compact.CompactLayer, "evict", "bookkeeping"),
