@@ -14,7 +14,7 @@ Three measures, none of them asks kvzap (``benchmarks/outside.py``):
    own and unmaps it when freed, so RSS follows the live tensors: the comparison without the heap's fragmentation).
 
     python -m benchmarks.bench_memory --model ~/.cache/kvzap/models/SmolLM2-135M-Instruct --prefill 2048 8192 \
-        --threshold -3.4 --decode 64 --rss-runs 5 --json benchmarks/results/memory_release_variants.json
+        --threshold -3.4 --decode 64 --rss-runs 5 --json research/heap-release/memory_release_variants.json
 
 BENCHMARKS.md's headline memory table (``memory.json``) runs no press and kvzap compact only:
 ``--rss-variants none compact --rss-mmap-runs 0`` (``run_all.sh`` runs both).

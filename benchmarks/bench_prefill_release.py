@@ -12,7 +12,7 @@ matmul per token that dilutes the ratios), DMS threshold press with the model's 
 random N(0, 1) scores (the default ``--threshold 0.44`` evicts ~67%)::
 
     python -m benchmarks.bench_prefill_release --model ~/.cache/kvzap/models/SmolLM2-135M-Instruct \
-        --threshold -3.4 --prefill 2048 8192 --runs 3 --json benchmarks/results/prefill_release.json
+        --threshold -3.4 --prefill 2048 8192 --runs 3 --json research/heap-release/prefill_release.json
 
 Peak RSS of the same modes: ``bench_memory.py --rss-variants``.
 """

@@ -23,6 +23,7 @@ EVAL_PRESS = {
     "hqq_int2": "hqq_int2",
     "kvzap": "kvzap_mlp",
     "kvzap_kv8": "kvzap_mlp_kv8",
+    "kvzap_kv4": "kvzap_mlp_kv4",
 }
 # The needle-suite runs read: run directories under these folders of the checkout (one folder per sweep).
 ACCURACY_GLOB = "evaluation/results/alternatives-*"

@@ -88,42 +88,6 @@ RSS_WAYS = {
 }
 
 
-def rss_variants_block(res: Results) -> list[str] | None:
-    """Peak RSS of kvzap.heap's ways, under glibc's default allocator and a fixed mmap threshold, and single runs of
-    a chunked prefill and of kvpress (``memory_release_variants.json``, ``peak_*.json``)."""
-    variants = res.load("memory_release_variants.json")
-    if not variants:
-        return None
-    files = [("memory_release_variants.json", variants["meta"])]
-    lines = [
-        "| allocator | way | peak RSS, median (MB) | each process (MB) | against no press, same allocator |",
-        "|---|---|---|---|---|",
-    ]
-    for key, allocator in (("peak_rss", "default"), ("peak_rss_mmap", "`MALLOC_MMAP_THRESHOLD_=65536`")):
-        rss = variants.get(key, {})
-        for way, name in RSS_WAYS.items():
-            if way not in rss:
-                continue
-            diff = round(rss[way]["median_mb"]) - round(rss["none"]["median_mb"])
-            against = "-" if way == "none" else f"{diff:+.0f} MB"
-            lines.append(f"| {allocator} | {name} | {rss[way]['median_mb']:.0f} | {_runs_mb(rss[way])} | {against} |")
-    for name in ("peak_compact_chunked.json", "peak_kvpress.json"):
-        data = res.load(name)
-        if not data:
-            continue
-        files.append((name, data["meta"]))
-        row = data["results"][0]
-        if data["meta"].get("tool", "").startswith("kvpress"):
-            label = f"{data['meta']['tool']} (keeps every pair, masked)"
-        else:
-            label = f"kvzap compact, prefill in chunks of {data['meta'].get('prefill_chunk')}"
-        lines.append(f"| default | {label} | {row['peak_rss_mb']:.0f} | one process | - |")
-    return [source(*files), "", *lines]
-
-
-# --- Decoding speed ---------------------------------------------------------------------------------------------
-
-
 def decode_block(res: Results) -> list[str] | None:
     kvzap, kvpress = res.load("decode.json"), res.load("decode_kvpress.json")
     if not kvzap:
@@ -196,61 +160,6 @@ def fixed_cost_block(res: Results) -> list[str] | None:
 # --- Prefill time -----------------------------------------------------------------------------------------------
 
 
-def prefill_block(res: Results) -> list[str] | None:
-    """Prefill time of the decoding run (``decode.json``): kvzap against no press, each run's ratio."""
-    kvzap = res.load("decode.json")
-    if not kvzap:
-        return None
-    lines = [
-        source(("decode.json", kvzap["meta"])),
-        "",
-        "| context | prefill s: no press, kvzap | kvzap / no press (each run) |",
-        "|---|---|---|",
-    ]
-    for r in kvzap["results"]:
-        runs = r.get("compact_prefill_s_ratio_runs")
-        lines.append(
-            f"| {r['prefill_tokens']} | {r['none_prefill_s']:.2f}, {r['compact_prefill_s']:.2f} "
-            f"| **{_paired(r, 'compact', 'prefill_s'):.2f}x**{f' ({_ratio_runs(runs)})' if runs else ''} |"
-        )
-    return lines
-
-
-RELEASE_WAYS = {
-    "none": "no press",
-    "pages": "kvzap (default release: pages + RSS-triggered trims)",
-    "trim": "kvzap, trims only",
-    "trim_every_layer": "kvzap, a trim after every layer",
-    "off": "kvzap, no release",
-}
-
-
-def prefill_release_block(res: Results) -> list[str] | None:
-    """Prefill only (``bench_prefill_release.py``): kvzap.heap's ways against no press, each run's ratio."""
-    bench = res.load("prefill_release.json")
-    if not bench:
-        return None
-    lines = [
-        source(("prefill_release.json", bench["meta"])),
-        "",
-        "| context | runs | way | median s | ratio to no press: median (each run) |",
-        "|---|---|---|---|---|",
-    ]
-    for row in bench["results"]:
-        n = len(next(iter(row["runs_s"].values()))) if "runs_s" in row else bench["meta"]["runs"]
-        for mode, seconds in row["median_s"].items():
-            ratio = f"{row['ratio_to_none'][mode]:.3f}x"
-            if mode != "none":
-                ratio = f"**{ratio}**" + (f" ({_ratio_runs(row['ratio_runs'][mode])})" if "ratio_runs" in row else "")
-            lines.append(
-                f"| {row['prefill_tokens']} | {n} | {RELEASE_WAYS.get(mode, mode)} | {seconds:.2f} | {ratio} |"
-            )
-    return lines
-
-
-# --- Ragged batches ---------------------------------------------------------------------------------------------
-
-# The issue's goals for the ragged batch: batched kvzap decode against batched no press and kvzap one at a time.
 BATCH_GOALS = (("batched_none", 1.2, "batched without a press"), ("one_at_a_time", 2.5, "kvzap one prompt at a time"))
 BATCH_WAYS = {
     "one_at_a_time": "kvzap (compact), one prompt at a time",

@@ -30,15 +30,17 @@ if [ "$PART" != memory ]; then  # speed: decoding, prefill, scorers, the collect
     --modes none compact --json "$OUT/decode_fixed_cost.json"
 "$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 256 --threshold="$TAU" --decode 64 --runs "$RUNS" \
     --modes none compact --no-decoding --json "$OUT/decode_fixed_cost_prompt_only.json"
-# Prefill only, as generate prefills: what giving freed memory back costs (kvzap.heap's default against none;
-# --modes trim_every_layer off adds the other ways).
-"$PY" -m benchmarks.bench_prefill_release --model "$MODEL" --threads "$THREADS" --prefill 2048 8192 --threshold="$TAU" \
-    --modes none pages --runs "$KVPRESS_RUNS" --json "$OUT/prefill_release.json"
 "$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 64 --runs "$KVPRESS_RUNS" \
     --json "$OUT/decode_kvpress.json"
 # Ragged batch: 8 prompts of 1k-4k tokens, 64 decoded tokens each, one at a time vs batched (no press, kvzap)
 "$PY" -m benchmarks.bench_batch "${common[@]}" --threshold="$TAU" --decode 64 --runs "$BATCH_RUNS" \
     --json "$OUT/batch.json"
+# Time to the first answer token through the pipeline: no press, one dense forward, chunked prefills (the default)
+"$PY" -m benchmarks.bench_ttft "${common[@]}" --prefill 4096 8192 --threshold=-3 \
+    --modes none dense chunk:2048 chunk:1024 --runs "$RUNS" --breakdown --json "$OUT/ttft.json"
+# Side by side: the static and quantized caches of transformers, kvzap, kvzap with 8- and 4-bit storage
+"$PY" -m benchmarks.bench_alternatives "${common[@]}" --prefill 2048 4096 8192 --threshold="$TAU" --decode 32 \
+    --runs "$KVPRESS_RUNS" --json "$OUT/alternatives.json"
 "$PY" -m benchmarks.bench_scorers --model "$MODEL" --threads "$THREADS" --json "$OUT/scorers.json"
 if [ -z "${SKIP_COLLECT:-}" ]; then  # the KVzip+ collection cost (training); SKIP_COLLECT=1 keeps the last figures
     "$PY" -m benchmarks.bench_collect --threads "$THREADS" --runs 3 --json "$OUT/collect.json"
@@ -49,12 +51,6 @@ if [ "$PART" != timing ]; then  # memory, measured from outside
 # decoded tokens, median of 5 fresh processes per mode (no press and kvzap compact).
 "$PY" -m benchmarks.bench_memory "${common[@]}" --prefill 2048 8192 --threshold="$TAU" --decode 64 --rss-runs 5 \
     --rss-variants none compact --rss-mmap-runs 0 --json "$OUT/memory.json"
-# The ways of giving freed memory back, each in fresh processes, and the same under a fixed mmap threshold.
-"$PY" -m benchmarks.bench_memory "${common[@]}" --prefill 2048 8192 --threshold="$TAU" --decode 64 --rss-runs 5 \
-    --json "$OUT/memory_release_variants.json"
-"$PY" -m benchmarks.bench_decode "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \
-    --peak-memory compact --prefill-chunk 1024 --json "$OUT/peak_compact_chunked.json"
-"$KVP" -m benchmarks.bench_kvpress "${common[@]}" --prefill 8192 --threshold="$TAU" --decode 256 \
-    --peak-memory kvpress --json "$OUT/peak_kvpress.json"
+# (The ways of giving freed memory back, and kvpress's peak RSS: research/heap-release/README.md.)
 fi
 "$PY" -m benchmarks.report "$OUT"  # then: python -m benchmarks.report --update BENCHMARKS.md

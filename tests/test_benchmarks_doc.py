@@ -20,7 +20,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 README_ANCHORS = (
     "kv-memory-measured-from-outside",
     "decoding-speed",
-    "prefill-time",
+    "time-to-first-token-and-prefill",
     "ragged-batches",
     "gemma-3-270m-second-model",
 )

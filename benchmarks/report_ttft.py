@@ -1,0 +1,61 @@
+"""The time-to-first-token tables of BENCHMARKS.md (``bench_ttft.py``): no press against kvzap's prefills, and where
+the time of a prefill chunk and of a decoding step goes."""
+
+from __future__ import annotations
+
+from benchmarks.report_common import Results, _ratio_runs, source
+
+__all__ = ["ttft_block", "ttft_breakdown_block"]
+
+MODE_LABELS = {"none": "no press", "dense": "kvzap, one forward", "auto": "kvzap, the pipeline's default"}
+PARTS = ("weights_s", "attention_s", "scoring_s", "bookkeeping_s", "python_and_other_ops_s")
+
+
+def _label(mode: str) -> str:
+    return MODE_LABELS.get(mode) or f"kvzap, chunks of {mode.split(':', 1)[1]}"
+
+
+def ttft_block(res: Results) -> list[str] | None:
+    """Time to the first answer token through the pipeline, each mode's median and each run's ratio to no press."""
+    bench = res.load("ttft.json")
+    if not bench:
+        return None
+    lines = [
+        source(("ttft.json", bench["meta"])),
+        "",
+        "| context | prefill | first token, s | / no press: median (each run) | evicted |",
+        "|---|---|---|---|---|",
+    ]
+    for row in bench["results"]:
+        modes = [m for m in row if m not in ("prefill_tokens", "breakdown")]
+        for mode in modes:
+            r = row[mode]
+            ratio = "" if mode == "none" else f"**{r['ratio_to_none']:.2f}x** ({_ratio_runs(r['ratio_runs'])})"
+            evicted = f"{r['evicted_share']:.0%}" if mode != "none" else ""
+            lines.append(f"| {row['prefill_tokens']} | {_label(mode)} | {r['ttft_s']:.2f} | {ratio} | {evicted} |")
+    return lines
+
+
+def ttft_breakdown_block(res: Results) -> list[str] | None:
+    """Where the time goes: the last prefill chunk and one decoding step, no press against kvzap (one profiled run)."""
+    bench = res.load("ttft.json")
+    rows = [r for r in (bench or {}).get("results", []) if "breakdown" in r]
+    if not rows:
+        return None
+    lines = [
+        source(("ttft.json", bench["meta"])),
+        "",
+        "| context | step | mode | wall ms | weights | attention | scoring | bookkeeping | Python, other ops |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for step, label in (("prefill_chunk", "last prefill chunk"), ("decode_step", "a decoding step")):
+            for mode, parts in row["breakdown"].items():
+                p = parts[step]
+                what = f"{label} ({p['tokens']} tokens)" if "tokens" in p else label
+                cells = " | ".join(
+                    f"{1000 * p[k]:.0f}" if step == "prefill_chunk" else f"{1000 * p[k]:.1f}" for k in PARTS
+                )
+                wall = f"{1000 * p['wall_s']:.0f}" if step == "prefill_chunk" else f"{1000 * p['wall_s']:.1f}"
+                lines.append(f"| {row['prefill_tokens']} | {what} | {_label(mode)} | {wall} | {cells} |")
+    return lines
