@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.report_common import MB, Results, source
+from benchmarks.report_common import Results, source
 
 # The evaluation's name of each benchmark method (evaluation/presses.py), and which threshold kvzap's runs need.
 EVAL_PRESS = {
@@ -92,39 +92,56 @@ def _ratio(row: dict, key: str) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
 
 
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else f"{n} tokens"
+
+
+def _speed(row: dict) -> str:
+    """Decode speed against no press (> 1 faster): the inverse of the median of the runs' ms/token ratios."""
+    ratio = row.get("decode_ms_per_token_ratio")
+    return "-" if not ratio else f"{1 / ratio:.2f}x"
+
+
 def alternatives_block(res: Results) -> list[str] | None:
-    """One row per (context, method): KV held after the prefill and after decoding (share of the full fp cache),
-    decode ms/token and prefill time with each run's ratio to no press, and the needle-suite accuracy."""
+    """One row per method: KV held after decoding at the longest context (share of the full cache in the model's
+    dtype, measured from outside), decode speed against no press at each context (each run's ratio, their median),
+    prefill time at the longest context, and the needle-suite accuracy at each length evaluated."""
     data = res.load("alternatives.json")
     if not data or not data["results"]:
         return None
     m = data["meta"]
     points = accuracy_points(_checkout(res), m.get("threshold"))
     runs = [Path(p["run"]).parent.parent.name for p in points.values()]
+    lengths = sorted({r["prefill_tokens"] for r in data["results"]})
+    longest = lengths[-1]
+    acc_lengths = sorted({n for _, n in points})
+    by = {(r["method"], r["prefill_tokens"]): r for r in data["results"]}
+    methods = list(dict.fromkeys(r["method"] for r in data["results"]))
+    ctx = " / ".join(_k(n) for n in lengths)
+    acc_head = "".join(f" | needles {_k(n)}: score [95%]; paired - full cache" for n in acc_lengths)
     lines = [
         source(("alternatives.json", m)),
         "",
-        f"| context | method | evicted | KV after prefill / full | KV after {m['decode_tokens']} tokens / full "
-        "| decode ms/token (/ no press, < 1 faster) | prefill s (/ no press) "
-        "| needle suite: score [95%]; paired - full cache |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| method | KV / full cache, {_k(longest)}, after {m['decode_tokens']} tokens | decode speed / no press, "
+        f"{ctx} | decode ms/token, {_k(longest)} | prefill / no press, {_k(longest)}{acc_head} |",
+        "|---|---|---|---|---|" + "---|" * len(acc_lengths),
     ]
-    for r in data["results"]:
-        label = r.get("label", r["method"])
-        if "error" in r or "skipped" in r:
-            why = r.get("error") or r.get("skipped")
-            lines.append(
-                f"| {r['prefill_tokens']} | {label} | {'failed' if 'error' in r else 'skipped'}: {why} "
-                "| - | - | - | - | - |"
-            )
+    for method in methods:
+        rows = [by.get((method, n)) for n in lengths]
+        last = rows[-1] or {}
+        label = next((r.get("label") for r in rows if r and r.get("label")), method)
+        failed = next(
+            (r.get("error") or r.get("skipped") for r in rows if r and ("error" in r or "skipped" in r)), None
+        )
+        acc = "".join(f" | {_accuracy_cell(points.get((method, n)))}" for n in acc_lengths)
+        if failed and "kv_share_after_decode" not in last:
+            lines.append(f"| {label} | failed: {failed} | - | - | -{acc} |")
             continue
-        point = points.get((r["method"], r["prefill_tokens"]))
+        evicted = f" ({last['evicted_share']:.0%} evicted)" if last.get("evicted_share") else ""
+        speeds = " / ".join(_speed(r) if r and "error" not in r else "-" for r in rows)
         lines.append(
-            f"| {r['prefill_tokens']} | {label} | {r['evicted_share']:.1%} "
-            f"| {r['kv_share_after_prefill']:.3f} ({r['kv_bytes_after_prefill'] / MB:.1f} MiB) "
-            f"| {r['kv_share_after_decode']:.3f} "
-            f"| {r['decode_ms_per_token']:.1f} ({_ratio(r, 'decode_ms_per_token')}) "
-            f"| {r['prefill_s']:.2f} ({_ratio(r, 'prefill_s')}) | {_accuracy_cell(point)} |"
+            f"| {label} | **{last['kv_share_after_decode']:.3f}**{evicted} | {speeds} "
+            f"| {last['decode_ms_per_token']:.1f} | {_ratio(last, 'prefill_s')}{acc} |"
         )
     if runs:
         folders = ", ".join(f"`evaluation/results/{name}`" for name in sorted(set(runs)))
