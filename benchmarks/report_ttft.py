@@ -42,6 +42,7 @@ def ttft_breakdown_block(res: Results) -> list[str] | None:
     rows = [r for r in (bench or {}).get("results", []) if "breakdown" in r]
     if not rows:
         return None
+    rows = [max(rows, key=lambda r: r["prefill_tokens"])]  # the longest context: the others are in the raw file
     lines = [
         source(("ttft.json", bench["meta"])),
         "",

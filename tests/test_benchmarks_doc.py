@@ -23,6 +23,7 @@ README_ANCHORS = (
     "time-to-first-token-and-prefill",
     "ragged-batches",
     "gemma-3-270m-second-model",
+    "side-by-side-with-the-alternatives",
 )
 
 
