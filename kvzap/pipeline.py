@@ -203,14 +203,14 @@ class KVPressTextGenerationPipeline(Pipeline):
         max_context_length = as_number("max_context_length", max_context_length, integer=True, allow_none=True)
         if max_context_length is not None and max_context_length < 1:
             raise ValueError(f"max_context_length must be a positive int, got {max_context_length!r}.")
-        if not (isinstance(prefill_chunk_size, str) and prefill_chunk_size == "auto"):
-            if not isinstance(prefill_chunk_size, str):
-                prefill_chunk_size = as_number("prefill_chunk_size", prefill_chunk_size, integer=True, allow_none=True)
-            if isinstance(prefill_chunk_size, str) or (prefill_chunk_size is not None and prefill_chunk_size < 1):
-                raise ValueError(
-                    "prefill_chunk_size must be a positive int, None (one forward) or 'auto', got "
-                    f"{prefill_chunk_size!r}."
-                )
+        if not isinstance(prefill_chunk_size, str):
+            prefill_chunk_size = as_number("prefill_chunk_size", prefill_chunk_size, integer=True, allow_none=True)
+        if prefill_chunk_size != "auto" and (
+            isinstance(prefill_chunk_size, str) or (prefill_chunk_size is not None and prefill_chunk_size < 1)
+        ):
+            raise ValueError(
+                f"prefill_chunk_size must be a positive int, None (one forward) or 'auto', got {prefill_chunk_size!r}."
+            )
         enable_thinking = as_bool("enable_thinking", enable_thinking)
         if cache is not None and not isinstance(cache, DynamicCache):
             raise TypeError(f"cache must be a transformers.DynamicCache, got {type(cache).__name__}.")
