@@ -118,6 +118,43 @@ def test_the_kernel_refuses_codes_without_scales_or_with_the_wrong_bits():
         op(*args)  # uint8 codes read as float pairs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_fused_store_writes_the_codes_and_scales_of_quantize(bits, dtype, kernel_state):
+    """pool.write through the fused quantize-and-store operator equals quantize() and a copy, bit for bit
+    (constant vectors, whose scale is 0, and groups of very different ranges included)."""
+    _kernel_or_skip()
+    gen = torch.Generator().manual_seed(1)
+    keys = (torch.randn(40, 64, generator=gen) * torch.linspace(0.05, 30, 64)).to(dtype)
+    values = torch.randn(40, 64, generator=gen).to(dtype)
+    keys[5], values[7] = 0.25, -3.0
+    slots = np.random.default_rng(1).permutation(6 * 8)[:40]
+    pools = {}
+    for enabled in (True, False):
+        kernels.set_kernels(enabled)
+        pool = pools[enabled] = BlockPool(8, bits)
+        pool.allocate(6, keys[:1], values[:1], free_owner=3)
+        assert (pool._quantize_kernel(keys) is not None) is enabled
+        pool.write(slots, keys, values, 3)
+    for name in ("keys", "values", "key_scales", "value_scales", "positions", "bias"):
+        assert torch.equal(getattr(pools[True], name), getattr(pools[False], name)), name
+
+
+def test_the_fused_store_refuses_slots_out_of_range_and_mismatched_codes():
+    _kernel_or_skip()
+    op = torch.ops.kvzap.quantize_store
+    codes = torch.zeros(2, 4, 64, dtype=torch.uint8)
+    scales = torch.zeros(2, 4, 2, 2, dtype=torch.float16)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(codes, scales, torch.tensor([0, 8]), x, 8, 32)
+    with pytest.raises(RuntimeError, match="codes"):
+        op(codes[..., :32], scales, torch.tensor([0, 1]), x, 8, 32)
+    with pytest.raises(RuntimeError, match="bits"):
+        op(codes, scales, torch.tensor([0, 1]), x, 5, 32)
+    assert not codes.any() and not scales.any()  # nothing written before a refusal
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_decoding_with_and_without_the_kernel_gives_the_same_logits(wide, bits, kernel_state):
     """The generic path (also CUDA's) against the fused CPU kernel, through the model."""

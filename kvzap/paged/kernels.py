@@ -5,7 +5,9 @@ The generic :func:`~kvzap.paged.attention.paged_attention` does it in ~14 tensor
 (dispatch, allocation, Python) dominates at batch 1 on CPU: ~170 us per layer and step, where reading the pairs
 takes tens of microseconds at 2k tokens. ``csrc/paged_decode.cpp`` does the same computation in one call
 (a split softmax over chunks of each head's blocks, in torch's intra-op threads) and is registered as the torch
-operator ``torch.ops.kvzap.paged_decode``.
+operator ``torch.ops.kvzap.paged_decode``. The same source registers ``torch.ops.kvzap.quantize_store``, which
+writes a decoding step's appended pairs into a quantized pool (``kv_bits``) in one call per pool tensor instead of
+~14 tensor operations.
 
 It is compiled on first use with :func:`torch.utils.cpp_extension.load_inline` into torch's extension cache
 (``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``): about 30-60 s once per machine and torch install.
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build", "decode_kernel", "extension_name", "kernel_status", "set_kernels"]
+__all__ = ["build", "decode_kernel", "extension_name", "kernel_status", "quantize_kernel", "set_kernels"]
 
 logger = logging.getLogger(__name__)
 
@@ -213,10 +215,14 @@ def _register_fake() -> None:
         d_v = values.shape[-1] * (2 if bits == 4 else 1)  # 4-bit codes hold two channels per byte
         return query.new_empty(query.shape[0], query.shape[1], 1, d_v)
 
-    try:
-        torch.library.register_fake("kvzap::paged_decode", fake)
-    except RuntimeError:  # already registered in this process
-        pass
+    def fake_store(codes, scales, slots, x, bits, group):  # writes in place, returns nothing
+        return None
+
+    for name, impl in (("kvzap::paged_decode", fake), ("kvzap::quantize_store", fake_store)):
+        try:
+            torch.library.register_fake(name, impl)
+        except RuntimeError:  # already registered in this process
+            pass
 
 
 def _reason(exc: Exception) -> str:
@@ -254,6 +260,13 @@ def decode_kernel():
             _error = _reason(exc)
             logger.warning("kvzap's CPU decode kernel is unavailable (%s); using the generic path.", _error)
             return None
+
+
+def quantize_kernel():
+    """The fused quantize-and-store operator of the same extension (``torch.ops.kvzap.quantize_store``: appended
+    pairs into a quantized pool's codes and scales, as :func:`kvzap.paged.quant.quantize` then a copy), or None
+    when :func:`decode_kernel` is."""
+    return None if decode_kernel() is None else torch.ops.kvzap.quantize_store
 
 
 def kernel_status() -> str:
