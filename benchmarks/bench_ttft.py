@@ -10,7 +10,11 @@ forward and the first answer token, which is what the user waits for. Modes:
 - ``chunk:N``: kvzap, the context prefilled in chunks of ``N`` tokens, each pruned before the next attends to it;
 - ``auto``: kvzap with the pipeline's default (``prefill_chunk_size="auto"``).
 
-With ``--breakdown``, one more profiled run of ``none`` and of the first kvzap mode splits the time of a prefill
+Without ``--model`` (a random SmolLM2-sized Llama, as ``benchmarks/run_gpu.sh`` runs it on a GPU machine, with
+``--device`` and ``--dtype``), there is no tokenizer: each mode times the same prefill on token ids (chunked as the
+pipeline chunks) and the first token's argmax, to the device's end of work.
+
+With ``--breakdown`` (CPU only), one more profiled run of ``none`` and of the first kvzap mode splits the time of a prefill
 chunk (the last one) and of a decoding step into: the projections and MLP (``weights``: matmuls with the
 model's parameters), ``attention``, ``scoring`` (the press's scorer), ``bookkeeping`` (the press's hooks and the
 cache's writes and evictions, minus their scoring and attention) and the rest of the wall time (``python and
@@ -35,7 +39,7 @@ import time
 import torch
 from transformers import pipeline
 
-from benchmarks.common import load, meta, prompt_ids, run_ratios, write_results
+from benchmarks.common import _sync, load, meta, prompt_ids, run_ratios, write_results
 from kvzap import DMSThresholdPress, KVzapScorer, RandomScorer
 
 QUESTION = "What is the launch code mentioned in the text?"
@@ -152,33 +156,69 @@ def _split(events, wall_s: float) -> dict[str, float]:
     return out
 
 
+def _resolve_chunk(mode: str, press, n: int) -> int:
+    chunk = chunk_of(mode)
+    if chunk == "auto":
+        chunk = press.default_prefill_chunk_size
+    return chunk or n
+
+
+def _prefill(model, ids: torch.Tensor, press, chunk: int, cache, profile_last: bool = False):
+    """Prefill ``ids`` into ``cache`` in chunks of ``chunk`` tokens (each pruned before the next attends to it, as
+    the pipeline does), under ``press`` when it is applied. Returns the last chunk's logits and, with
+    ``profile_last``, the time split of that chunk."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvzap import _compat
+
+    n = ids.shape[1]
+    bounds = list(range(0, n, chunk)) + [n]
+    kw = _compat.cache_kwarg_name(model)
+    split = None
+    with press.prefilling() if press is not None and chunk < n else contextlib.nullcontext():
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            last = profile_last and i == len(bounds) - 2
+            with profile(activities=[ProfilerActivity.CPU]) if last else contextlib.nullcontext() as prof:
+                start = time.perf_counter()
+                positions = torch.arange(a, b, device=ids.device)[None]
+                logits = model(ids[:, a:b], position_ids=positions, logits_to_keep=1, **{kw: cache}).logits
+                wall = time.perf_counter() - start
+            if last:
+                split = {**_split(prof.events(), wall), "tokens": b - a}
+    return logits, split
+
+
+def first_token_of_ids(model, ids: torch.Tensor, mode: str, args) -> dict[str, float]:
+    """Without a tokenizer (a random model, e.g. on a GPU machine that has no weights): the context's prefill and
+    the first token's argmax, timed to the device's end of work, as :func:`one_run` times the pipeline."""
+    from kvzap import _compat
+
+    press = None if mode == "none" else make_press(args)
+    _sync(ids.device)
+    start = time.perf_counter()
+    with torch.no_grad(), press(model) if press is not None else contextlib.nullcontext():
+        cache = _compat.new_dynamic_cache(model)
+        logits, _ = _prefill(model, ids, press, _resolve_chunk(mode, press, ids.shape[1]), cache)
+        logits[:, -1].argmax(-1).tolist()
+    _sync(ids.device)
+    seconds = time.perf_counter() - start
+    return {"ttft_s": seconds, "evicted_share": float(press.compression_ratio) if press is not None else 0.0}
+
+
 def breakdown(model, ids: torch.Tensor, mode: str, args) -> dict[str, dict[str, float]]:
-    """Profile the last prefill chunk (or the whole prefill: ``none``, ``dense``) and one decoding step."""
+    """Profile the last prefill chunk (or the whole prefill: ``none``, ``dense``) and one decoding step (CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     from kvzap import _compat
 
     press = None if mode == "none" else make_press(args)
-    chunk = chunk_of(mode)
-    if chunk == "auto":
-        chunk = press.default_prefill_chunk_size
-    n = ids.shape[1]
-    chunk = chunk or n
-    bounds = list(range(0, n, chunk)) + [n]
     cache = _compat.new_dynamic_cache(model)
     kw = _compat.cache_kwarg_name(model)
     parts = {}
     with torch.no_grad(), _scoped(), press(model) if press is not None else contextlib.nullcontext():
-        with press.prefilling() if press is not None and chunk < n else contextlib.nullcontext():
-            for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-                last = i == len(bounds) - 2
-                with profile(activities=[ProfilerActivity.CPU]) if last else contextlib.nullcontext() as prof:
-                    start = time.perf_counter()
-                    logits = model(ids[:, a:b], position_ids=torch.arange(a, b)[None], logits_to_keep=1, **{kw: cache})
-                    wall = time.perf_counter() - start
-                if last:
-                    parts["prefill_chunk"] = {**_split(prof.events(), wall), "tokens": b - a}
-        token = logits.logits[:, -1:].argmax(-1)
+        chunk = _resolve_chunk(mode, press, ids.shape[1])
+        logits, parts["prefill_chunk"] = _prefill(model, ids, press, chunk, cache, profile_last=True)
+        token = logits[:, -1:].argmax(-1)
         for _ in range(3):  # warm steps
             token = model(token, **{kw: cache}).logits[:, -1:].argmax(-1)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -199,9 +239,13 @@ def main(argv=None) -> None:
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="the time split of a chunk and a step (CPU only)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.breakdown and args.device != "cpu":
+        parser.error("--breakdown splits CPU time (profiled CPU operations); leave it out with --device cuda")
     for mode in args.modes:
         if mode not in ("none", "dense", "auto") and not (mode.startswith("chunk:") and mode[6:].isdigit()):
             parser.error(f"unknown mode {mode!r}: none, dense, auto or chunk:N")
@@ -211,20 +255,23 @@ def main(argv=None) -> None:
         args.threshold = -3.0 if args.model else 0.44
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load(args.model)
-    if tokenizer is None:
-        parser.error("--model is required: the pipeline needs a tokenizer")
-    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    model, tokenizer = load(args.model, args.device, args.dtype)
+    # With a tokenizer, through the pipeline as a user asks; without one (the random model), the same prefill on
+    # token ids.
+    pipe = None if tokenizer is None else pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
     results = []
     for n_tokens in args.prefill:
-        ids = prompt_ids(tokenizer, n_tokens, model.config.vocab_size)
-        context = tokenizer.decode(ids[0], skip_special_tokens=True)
+        ids = prompt_ids(tokenizer, n_tokens, model.config.vocab_size).to(args.device)
+        if pipe is None:
+            run_mode = functools.partial(first_token_of_ids, model, ids)
+        else:
+            run_mode = functools.partial(one_run, pipe, tokenizer.decode(ids[0], skip_special_tokens=True))
         for mode in args.modes:  # warm-up (kernel build, allocator)
-            one_run(pipe, context, mode, args)
+            run_mode(mode, args)
         samples: dict[str, list[dict[str, float]]] = {m: [] for m in args.modes}
         for run in range(args.runs):
             for mode in args.modes if run % 2 == 0 else args.modes[::-1]:
-                samples[mode].append(one_run(pipe, context, mode, args))
+                samples[mode].append(run_mode(mode, args))
                 s = samples[mode][-1]
                 print(f"  {n_tokens} tokens, run {run}, {mode}: {s['ttft_s']:.2f} s, evicted {s['evicted_share']:.1%}")
         row: dict = {"prefill_tokens": n_tokens}
@@ -244,7 +291,8 @@ def main(argv=None) -> None:
             kvzap_modes = [m for m in args.modes if m != "none"]
             row["breakdown"] = {m: breakdown(model, ids, m, args) for m in ["none", *kvzap_modes[-1:]]}
         results.append(row)
-    write_results(args.json, meta(threshold=args.threshold, window=args.window, runs=args.runs), results)
+    info = meta(threshold=args.threshold, window=args.window, runs=args.runs, device=args.device, dtype=args.dtype)
+    write_results(args.json, info, results)
 
 
 if __name__ == "__main__":

@@ -44,12 +44,38 @@ def test_gpu_check_fails_when_the_storages_disagree(monkeypatch, tmp_path):
     assert (tmp_path / "check.json").exists()  # the report is written first
 
 
+def test_time_to_first_token_runs_on_token_ids_without_a_tokenizer(monkeypatch, tmp_path):
+    """bench_ttft on a model with no tokenizer (run_gpu.sh's random model): no press against chunked and dense."""
+    from benchmarks import bench_ttft
+
+    monkeypatch.setattr(bench_ttft, "load", lambda path, device, dtype: (tiny_model("llama").to(device), None))
+    out = tmp_path / "ttft.json"
+    argv = ["--prefill", "96", "--modes", "none", "dense", "chunk:32", "--runs", "1", "--window", "8"]
+    bench_ttft.main([*argv, "--threshold", "0.3", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["none"]["evicted_share"] == 0 and row["dense"]["ttft_s"] > 0
+    assert 0 < row["chunk:32"]["evicted_share"] < 1 and 0 < row["dense"]["evicted_share"] < 1
+
+
+def test_the_time_split_is_refused_off_the_cpu():
+    from benchmarks import bench_ttft
+
+    with pytest.raises(SystemExit):
+        bench_ttft.main(["--device", "cuda", "--breakdown"])
+
+
 @pytest.mark.slow
 def test_run_gpu_script_dry_run_on_cpu(tmp_path):
-    # Every step of the script at toy sizes (about 2.5 minutes on 2 cores).
+    # Every step of the script at toy sizes (about 5 minutes on 2 cores).
     env = {**os.environ, "DEVICE": "cpu", "SMOKE": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
     subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh")], check=True, env=env, timeout=900)
-    names = ["gpu_check", "decode_fp32", "decode_bf16", "memory", "decode_no_eviction"]
+    names = ["gpu_check", "decode_fp32", "decode_bf16", "memory", "decode_no_eviction", "ttft"]
+    names += ["alternatives_fp32", "alternatives_bf16"]
     assert sorted(p.stem for p in tmp_path.glob("*.json")) == sorted(names)
     check = json.loads((tmp_path / "gpu_check.json").read_text())
     assert all(r["same_kept_counts"] for r in check["results"])
+    ttft = json.loads((tmp_path / "ttft.json").read_text())
+    assert ttft["meta"]["device"] == "cpu" and [r["prefill_tokens"] for r in ttft["results"]] == [256, 512]
+    assert all(0 < r["chunk:1024"]["evicted_share"] < 1 for r in ttft["results"])
+    bf16 = json.loads((tmp_path / "alternatives_bf16.json").read_text())
+    assert {r["method"] for r in bf16["results"]} == {"none", "static", "kvzap", "kvzap_kv8", "kvzap_kv4"}
