@@ -114,6 +114,7 @@ class KVPressTextGenerationPipeline(Pipeline):
             results += [self.postprocess(a, **post) for a, (_, _, post) in zip(answers, group, strict=True)]
         return results
 
+    @torch.no_grad()
     def _forward_batch(
         self,
         rows: list[dict],
@@ -252,6 +253,7 @@ class KVPressTextGenerationPipeline(Pipeline):
         ]
         return {"context_ids": context_ids, "question_ids": question_ids}
 
+    @torch.no_grad()
     def _forward(
         self,
         inputs,

@@ -189,6 +189,25 @@ def test_a_list_of_contexts_shares_questions_and_runs_without_press(pipe):
     assert shared == [pipe(c, questions=["Who?", "Why?"], press=p, max_new_tokens=4) for c in CONTEXTS]
 
 
+def test_every_forward_runs_without_autograd(pipe, llama):
+    """A list of contexts and a handed-in cache reach the model past transformers' own no-grad wrapper: with
+    autograd on, every cached pair would hold the graph of the forwards before it (an HQQ-cache evaluation grew
+    ~350 MB a step on SmolLM2)."""
+    assert any(p.requires_grad for p in llama.parameters())
+    seen = []
+    handle = llama.register_forward_hook(lambda *_: seen.append(torch.is_grad_enabled()))
+    try:
+        pipe(CONTEXTS[:2], question="Who?", press=press(), max_new_tokens=3, batch_size=2)
+        pipe(CONTEXTS[0], question="Who?", max_new_tokens=3, cache=DynamicCache())
+        inputs = pipe.preprocess(CONTEXTS[1], ["Who?"], "", None, False)
+        cache = DynamicCache()
+        pipe._forward(inputs, press=press(), max_new_tokens=3, cache=cache)  # as kvzap evaluate's caches call it
+    finally:
+        handle.remove()
+    assert seen and not any(seen)
+    assert torch.is_grad_enabled()  # the caller's mode is restored
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
