@@ -14,8 +14,8 @@ Without ``--model`` (a random SmolLM2-sized Llama, as ``benchmarks/run_gpu.sh`` 
 ``--device`` and ``--dtype``), there is no tokenizer: each mode times the same prefill on token ids (chunked as the
 pipeline chunks) and the first token's argmax, to the device's end of work.
 
-With ``--breakdown`` (CPU only), one more profiled run of ``none`` and of the first kvzap mode splits the time of a prefill
-chunk (the last one) and of a decoding step into: the projections and MLP (``weights``: matmuls with the
+With ``--breakdown`` (CPU only), one more profiled run of ``none`` and of the first kvzap mode splits the time of a
+prefill chunk (the last one) and of a decoding step into: the projections and MLP (``weights``: matmuls with the
 model's parameters), ``attention``, ``scoring`` (the press's scorer), ``bookkeeping`` (the press's hooks and the
 cache's writes and evictions, minus their scoring and attention) and the rest of the wall time (``python and
 other ops``). The scopes are timed with ``torch.profiler.record_function`` wrapped around kvzap's functions by this
@@ -41,6 +41,7 @@ from transformers import pipeline
 
 from benchmarks.common import _sync, load, meta, prompt_ids, run_ratios, write_results
 from kvzap import DMSThresholdPress, KVzapScorer, RandomScorer
+from kvzap.pipeline import _chunk_size
 
 QUESTION = "What is the launch code mentioned in the text?"
 
@@ -157,10 +158,8 @@ def _split(events, wall_s: float) -> dict[str, float]:
 
 
 def _resolve_chunk(mode: str, press, n: int) -> int:
-    chunk = chunk_of(mode)
-    if chunk == "auto":
-        chunk = press.default_prefill_chunk_size
-    return chunk or n
+    """Tokens per prefill forward of ``mode``, as the pipeline resolves them (``n``: one forward)."""
+    return _chunk_size(press, chunk_of(mode)) or n
 
 
 def _prefill(model, ids: torch.Tensor, press, chunk: int, cache, profile_last: bool = False):

@@ -42,21 +42,18 @@ def ttft_breakdown_block(res: Results) -> list[str] | None:
     rows = [r for r in (bench or {}).get("results", []) if "breakdown" in r]
     if not rows:
         return None
-    rows = [max(rows, key=lambda r: r["prefill_tokens"])]  # the longest context: the others are in the raw file
+    row = max(rows, key=lambda r: r["prefill_tokens"])  # the longest context: the others are in the raw file
     lines = [
         source(("ttft.json", bench["meta"])),
         "",
         "| context | step | mode | wall ms | weights | attention | scoring | bookkeeping | Python, other ops |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in rows:
-        for step, label in (("prefill_chunk", "last prefill chunk"), ("decode_step", "a decoding step")):
-            for mode, parts in row["breakdown"].items():
-                p = parts[step]
-                what = f"{label} ({p['tokens']} tokens)" if "tokens" in p else label
-                cells = " | ".join(
-                    f"{1000 * p[k]:.0f}" if step == "prefill_chunk" else f"{1000 * p[k]:.1f}" for k in PARTS
-                )
-                wall = f"{1000 * p['wall_s']:.0f}" if step == "prefill_chunk" else f"{1000 * p['wall_s']:.1f}"
-                lines.append(f"| {row['prefill_tokens']} | {what} | {_label(mode)} | {wall} | {cells} |")
+    for step, label in (("prefill_chunk", "last prefill chunk"), ("decode_step", "a decoding step")):
+        digits = 0 if step == "prefill_chunk" else 1  # ms: a chunk takes seconds, a step tens of ms
+        for mode, parts in row["breakdown"].items():
+            p = parts[step]
+            what = f"{label} ({p['tokens']} tokens)" if "tokens" in p else label
+            wall, *cells = (f"{1000 * p[k]:.{digits}f}" for k in ("wall_s", *PARTS))
+            lines.append(f"| {row['prefill_tokens']} | {what} | {_label(mode)} | {wall} | {' | '.join(cells)} |")
     return lines
