@@ -21,5 +21,7 @@ same_prediction = sum(evaluate[i][0] == harness[i][0] for i in shared)
 same_score = sum(abs(evaluate[i][1] - harness[i][1]) < 1e-9 for i in shared)
 print(f"samples: evaluate {len(evaluate)}, harness {len(harness)}, shared {len(shared)}")
 print(f"same prediction: {same_prediction}/{len(shared)}   same score: {same_score}/{len(shared)}")
-print(f"mean score: evaluate {sum(evaluate[i][1] for i in shared) / max(1, len(shared)):.2f}, "
-      f"harness {sum(harness[i][1] for i in shared) / max(1, len(shared)):.2f}")
+print(
+    f"mean score: evaluate {sum(evaluate[i][1] for i in shared) / max(1, len(shared)):.2f}, "
+    f"harness {sum(harness[i][1] for i in shared) / max(1, len(shared)):.2f}"
+)
