@@ -24,6 +24,8 @@ def plot(results_dir: Path | str, out: Path | str, root: Path | str | None = Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from kvzap.models import model_name
+
     res = Results(results_dir)
     data = res.load("alternatives.json")
     if not data:
@@ -61,7 +63,7 @@ def plot(results_dir: Path | str, out: Path | str, root: Path | str | None = Non
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("needle suite score (95% interval)")
     axes[0][-1].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Accuracy against KV memory, {Path(str(data['meta'].get('model', ''))).name}", fontsize=10)
+    fig.suptitle(f"Accuracy against KV memory, {model_name(data['meta']['model'])}", fontsize=10)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
