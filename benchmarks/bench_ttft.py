@@ -8,7 +8,9 @@ forward and the first answer token, which is what the user waits for. Modes:
 - ``none``: no press (transformers' dynamic cache, sdpa);
 - ``dense``: kvzap, the context prefilled in one forward (``prefill_chunk_size=None``, the paper's setting);
 - ``chunk:N``: kvzap, the context prefilled in chunks of ``N`` tokens, each pruned before the next attends to it;
-- ``auto``: kvzap with the pipeline's default (``prefill_chunk_size="auto"``).
+- ``auto``: kvzap with the pipeline's default (``prefill_chunk_size="auto"``);
+- ``plain:N``: no press, the context prefilled in chunks of ``N`` tokens: what chunking alone gives (on Gemma 3,
+  transformers' sliding-window layers then read only their window and the chunk).
 
 Without ``--model`` (a random SmolLM2-sized Llama, as ``benchmarks/run_gpu.sh`` runs it on a GPU machine, with
 ``--device`` and ``--dtype``), there is no tokenizer: each mode times the same prefill on token ids (chunked as the
@@ -51,6 +53,11 @@ def make_press(args) -> DMSThresholdPress:
     return DMSThresholdPress(scorer, threshold=args.threshold, sliding_window_size=args.window)
 
 
+def pressed(mode: str) -> bool:
+    """Whether ``mode`` runs kvzap (``none`` and ``plain:N`` run no press)."""
+    return mode != "none" and not mode.startswith("plain:")
+
+
 def chunk_of(mode: str):
     if mode in ("dense", "none"):
         return None
@@ -60,8 +67,10 @@ def chunk_of(mode: str):
 
 
 def one_run(pipe, context: str, mode: str, args) -> dict[str, float]:
-    press = None if mode == "none" else make_press(args)
-    kwargs = {} if press is None else {"press": press, "prefill_chunk_size": chunk_of(mode)}
+    press = make_press(args) if pressed(mode) else None
+    kwargs = {"prefill_chunk_size": chunk_of(mode)} if press is not None or chunk_of(mode) else {}
+    if press is not None:
+        kwargs["press"] = press
     start = time.perf_counter()
     pipe(context, question=QUESTION, max_new_tokens=1, **kwargs)
     seconds = time.perf_counter() - start
@@ -192,7 +201,7 @@ def first_token_of_ids(model, ids: torch.Tensor, mode: str, args) -> dict[str, f
     the first token's argmax, timed to the device's end of work, as :func:`one_run` times the pipeline."""
     from kvzap import _compat
 
-    press = None if mode == "none" else make_press(args)
+    press = make_press(args) if pressed(mode) else None
     _sync(ids.device)
     start = time.perf_counter()
     with torch.no_grad(), press(model) if press is not None else contextlib.nullcontext():
@@ -210,7 +219,7 @@ def breakdown(model, ids: torch.Tensor, mode: str, args) -> dict[str, dict[str, 
 
     from kvzap import _compat
 
-    press = None if mode == "none" else make_press(args)
+    press = make_press(args) if pressed(mode) else None
     cache = _compat.new_dynamic_cache(model)
     kw = _compat.cache_kwarg_name(model)
     parts = {}
@@ -237,6 +246,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threshold", type=float, default=None, help="default: -3 with --model, else 0.44")
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--warmup-tokens", type=int, default=4096, help="prompt length of the untimed warm-up")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--breakdown", action="store_true", help="the time split of a chunk and a step (CPU only)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -246,8 +256,9 @@ def main(argv=None) -> None:
     if args.breakdown and args.device != "cpu":
         parser.error("--breakdown splits CPU time (profiled CPU operations); leave it out with --device cuda")
     for mode in args.modes:
-        if mode not in ("none", "dense", "auto") and not (mode.startswith("chunk:") and mode[6:].isdigit()):
-            parser.error(f"unknown mode {mode!r}: none, dense, auto or chunk:N")
+        kind, _, size = mode.partition(":")
+        if mode not in ("none", "dense", "auto") and not (kind in ("chunk", "plain") and size.isdigit()):
+            parser.error(f"unknown mode {mode!r}: none, dense, auto, chunk:N or plain:N")
     if "none" not in args.modes:
         parser.error("--modes must include none (the baseline of the ratios)")
     if args.threshold is None:
@@ -258,15 +269,21 @@ def main(argv=None) -> None:
     # With a tokenizer, through the pipeline as a user asks; without one (the random model), the same prefill on
     # token ids.
     pipe = None if tokenizer is None else pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
-    results = []
-    for n_tokens in args.prefill:
+
+    def runner(n_tokens: int):
         ids = prompt_ids(tokenizer, n_tokens, model.config.vocab_size).to(args.device)
         if pipe is None:
-            run_mode = functools.partial(first_token_of_ids, model, ids)
-        else:
-            run_mode = functools.partial(one_run, pipe, tokenizer.decode(ids[0], skip_special_tokens=True))
-        for mode in args.modes:  # warm-up (kernel build, allocator)
-            run_mode(mode, args)
+            return ids, functools.partial(first_token_of_ids, model, ids)
+        return ids, functools.partial(one_run, pipe, tokenizer.decode(ids[0], skip_special_tokens=True))
+
+    # Warm-up (kernel builds, allocator), untimed: every mode once on a prompt of --warmup-tokens (at most the
+    # shortest --prefill), which runs the same code as the timed prompts without a full prefill of the longest one.
+    _, warm = runner(min(args.warmup_tokens, *args.prefill))
+    for mode in args.modes:
+        warm(mode, args)
+    results = []
+    for n_tokens in args.prefill:
+        ids, run_mode = runner(n_tokens)
         samples: dict[str, list[dict[str, float]]] = {m: [] for m in args.modes}
         for run in range(args.runs):
             for mode in args.modes if run % 2 == 0 else args.modes[::-1]:
@@ -287,7 +304,7 @@ def main(argv=None) -> None:
             }
             print(f"{n_tokens} tokens, {mode}: {row[mode]['ttft_s']:.2f} s, x{row[mode]['ratio_to_none']:.2f}")
         if args.breakdown:
-            kvzap_modes = [m for m in args.modes if m != "none"]
+            kvzap_modes = [m for m in args.modes if pressed(m)]
             row["breakdown"] = {m: breakdown(model, ids, m, args) for m in ["none", *kvzap_modes[-1:]]}
         results.append(row)
     info = meta(threshold=args.threshold, window=args.window, runs=args.runs, device=args.device, dtype=args.dtype)

@@ -38,7 +38,7 @@ from benchmarks.report_inference import (
     scorers_block,
 )
 from benchmarks.report_training import FIT_RUNS, collect_block, fit_memory_block, fit_time_block, gemma_collect_block
-from benchmarks.report_ttft import ttft_block, ttft_breakdown_block
+from benchmarks.report_ttft import gemma_ttft_block, ttft_block, ttft_breakdown_block
 from kvzap.presses.threshold import _DECODE_SCORE_BATCH as DECODE_SCORE_BATCH
 from kvzap.presses.threshold import PREFILL_CHUNK_SIZE
 
@@ -228,6 +228,7 @@ BLOCKS: dict[str, Callable[[Results], list[str] | None]] = {
     "batch": batch_block,
     "scorers": scorers_block,
     "gemma-decode": gemma_decode_block,
+    "gemma-ttft": gemma_ttft_block,
     "gemma-suite-memory": gemma_suite_memory_block,
     "gemma-collect": gemma_collect_block,
     "collect": collect_block,

@@ -5,23 +5,24 @@ from __future__ import annotations
 
 from benchmarks.report_common import Results, _ratio_runs, source
 
-__all__ = ["ttft_block", "ttft_breakdown_block"]
+__all__ = ["gemma_ttft_block", "ttft_block", "ttft_breakdown_block"]
 
 MODE_LABELS = {"none": "no press", "dense": "kvzap, one forward", "auto": "kvzap, the pipeline's default"}
 PARTS = ("weights_s", "attention_s", "scoring_s", "bookkeeping_s", "python_and_other_ops_s")
 
 
 def _label(mode: str) -> str:
-    return MODE_LABELS.get(mode) or f"kvzap, chunks of {mode.split(':', 1)[1]}"
+    kind, _, size = mode.partition(":")
+    return MODE_LABELS.get(mode) or f"{'no press' if kind == 'plain' else 'kvzap'}, chunks of {size}"
 
 
-def ttft_block(res: Results) -> list[str] | None:
+def ttft_block(res: Results, name: str = "ttft.json") -> list[str] | None:
     """Time to the first answer token through the pipeline, each mode's median and each run's ratio to no press."""
-    bench = res.load("ttft.json")
+    bench = res.load(name)
     if not bench:
         return None
     lines = [
-        source(("ttft.json", bench["meta"])),
+        source((name, bench["meta"])),
         "",
         "| context | prefill | first token, s | / no press: median (each run) | evicted |",
         "|---|---|---|---|---|",
@@ -31,9 +32,14 @@ def ttft_block(res: Results) -> list[str] | None:
         for mode in modes:
             r = row[mode]
             ratio = "" if mode == "none" else f"**{r['ratio_to_none']:.2f}x** ({_ratio_runs(r['ratio_runs'])})"
-            evicted = f"{r['evicted_share']:.0%}" if mode != "none" else ""
+            evicted = "" if mode == "none" or mode.startswith("plain:") else f"{r['evicted_share']:.0%}"
             lines.append(f"| {row['prefill_tokens']} | {_label(mode)} | {r['ttft_s']:.2f} | {ratio} | {evicted} |")
     return lines
+
+
+def gemma_ttft_block(res: Results) -> list[str] | None:
+    """The same table for Gemma 3 270M (``gemma_ttft.json``)."""
+    return ttft_block(res, "gemma_ttft.json")
 
 
 def ttft_breakdown_block(res: Results) -> list[str] | None:

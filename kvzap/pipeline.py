@@ -59,7 +59,9 @@ class KVPressTextGenerationPipeline(Pipeline):
         prefills densely in one forward (the paper's setting). ``"auto"`` takes the press's
         ``default_prefill_chunk_size``: :data:`~kvzap.presses.threshold.PREFILL_CHUNK_SIZE` tokens for a threshold
         press whose scorer scores every token alone (KVzap, FastKVzip, the baselines), one forward for top-k
-        presses and the KVzip+ oracle, which decide over the whole prompt.
+        presses and the KVzip+ oracle, which decide over the whole prompt. Without a press, an int chunks the
+        prefill too (nothing is pruned; on sliding-window layers each chunk then reads only the window and itself),
+        and ``"auto"`` is one forward.
     """
 
     def __call__(self, context, *args, batch_size: int | None = None, **kwargs):

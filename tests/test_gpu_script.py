@@ -50,10 +50,11 @@ def test_time_to_first_token_runs_on_token_ids_without_a_tokenizer(monkeypatch, 
 
     monkeypatch.setattr(bench_ttft, "load", lambda path, device, dtype: (tiny_model("llama").to(device), None))
     out = tmp_path / "ttft.json"
-    argv = ["--prefill", "96", "--modes", "none", "dense", "chunk:32", "--runs", "1", "--window", "8"]
+    argv = ["--prefill", "96", "--modes", "none", "dense", "chunk:32", "plain:32", "--runs", "1", "--window", "8"]
     bench_ttft.main([*argv, "--threshold", "0.3", "--json", str(out)])
     (row,) = json.loads(out.read_text())["results"]
     assert row["none"]["evicted_share"] == 0 and row["dense"]["ttft_s"] > 0
+    assert row["plain:32"]["evicted_share"] == 0 and row["plain:32"]["ttft_s"] > 0
     assert 0 < row["chunk:32"]["evicted_share"] < 1 and 0 < row["dense"]["evicted_share"] < 1
 
 

@@ -158,6 +158,11 @@ def test_the_default_chunk_size_comes_from_the_press(pipe, llama, monkeypatch):
         widths = _prefill_forwards(llama, lambda kw=kwargs: pipe(CONTEXT, question="Code?", max_new_tokens=2, **kw))
         assert widths[0] == n_context, kwargs
     assert DMSThresholdPress(KVzipPlusScorer(), threshold=-3).default_prefill_chunk_size is None
+    # Without a press, an explicit size chunks the prefill in transformers' cache, with the one forward's answer.
+    plain = _prefill_forwards(llama, lambda: pipe(CONTEXT, question="Code?", max_new_tokens=2, prefill_chunk_size=64))
+    assert plain == chunked
+    one = pipe(CONTEXT, question="Code?", max_new_tokens=4)["answer"]
+    assert pipe(CONTEXT, question="Code?", max_new_tokens=4, prefill_chunk_size=64)["answer"] == one
     with pytest.raises(ValueError, match="'auto'"):
         pipe(CONTEXT, question="?", prefill_chunk_size="dense")
 
