@@ -15,7 +15,8 @@ Methods (``--methods``):
   or HQQ backend, its defaults otherwise: groups of 64, the last 128 tokens kept in the model's dtype until
   they are flushed into the quantized states);
 - ``kvzap``: ``DMSThresholdPress(KVzapScorer("mlp"))``, compact storage, pruning while decoding;
-- ``kvzap_kv8``, ``kvzap_kv4``: the same with the kept pairs stored at 8 or 4 bits (``kv_bits``).
+- ``kvzap_kv8``: the same with the kept pairs stored at 8 bits (``kv_bits=8``; presses refuse 4 bits, see
+  ``research/kv-bits-4``).
 
 A method that fails (a backend missing, or failing at some length) is recorded with its error and the others go
 on. With ``--model DIR`` the prompt is real text and kvzap scores with the bundled surrogate; without it, a
@@ -60,7 +61,7 @@ QUANTIZED = {
     "hqq_int4": ("hqq", 4),
     "hqq_int2": ("hqq", 2),
 }
-METHODS = ("none", "static", *QUANTIZED, "kvzap", "kvzap_kv8", "kvzap_kv4")
+METHODS = ("none", "static", *QUANTIZED, "kvzap", "kvzap_kv8")
 LABELS = {
     "none": "no press, dynamic cache",
     "static": "no press, static cache",
@@ -70,14 +71,13 @@ LABELS = {
     "hqq_int2": "quantized cache, HQQ int2",
     "kvzap": "kvzap (KVzap-MLP, compact)",
     "kvzap_kv8": "kvzap, 8-bit storage",
-    "kvzap_kv4": "kvzap, 4-bit storage",
 }
 _TIMED = ("decode_ms_per_token", "prefill_s")  # the figures whose per-run values and ratios are kept
 
 
 def make_press(args, method: str) -> DMSThresholdPress:
     scorer = KVzapScorer("mlp", surrogate=args.surrogate) if args.model else RandomScorer(seed=0)
-    extra = {"kvzap_kv8": {"kv_bits": 8}, "kvzap_kv4": {"kv_bits": 4}}.get(method, {})
+    extra = {"kv_bits": 8} if method == "kvzap_kv8" else {}
     return DMSThresholdPress(
         scorer, threshold=args.threshold, sliding_window_size=args.window, decoding=True, storage="compact", **extra
     )

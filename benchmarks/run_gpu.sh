@@ -37,4 +37,4 @@ if [ "$DEVICE" = cuda ]; then nvidia-smi -L || true; fi
 "$PY" -m benchmarks.bench_alternatives --device "$DEVICE" --prefill "$FIRST" "$SHORT" "$LONG" --decode "$DECODE" \
     --runs "$RUNS" --json "$OUT/alternatives_fp32.json"
 "$PY" -m benchmarks.bench_alternatives --device "$DEVICE" --dtype bfloat16 --prefill "$SHORT" "$LONG" \
-    --decode "$DECODE" --runs "$RUNS" --methods none static kvzap kvzap_kv8 kvzap_kv4 --json "$OUT/alternatives_bf16.json"
+    --decode "$DECODE" --runs "$RUNS" --methods none static kvzap kvzap_kv8 --json "$OUT/alternatives_bf16.json"

@@ -8,8 +8,9 @@ The alternatives to pruning that a user would try first are entries too: transfo
 (``static_cache``) and its quantized cache (``quanto_int4``, ``quanto_int2``, ``hqq_int4``, ``hqq_int2``). They
 are not presses but caches; their factory builds a :class:`CacheMethod`, which the runner applies by prefilling
 and answering into a fresh cache of that kind (what ``generate(..., cache_implementation=...)`` does), with no
-press. ``kvzap_mlp_kv8`` and ``kvzap_mlp_kv4`` are KVzap-MLP with its kept pairs stored at 8 or 4 bits
-(``kv_bits``).
+press. ``kvzap_mlp_kv8`` is KVzap-MLP with its kept pairs stored at 8 bits (``kv_bits=8``). ``kvzap_mlp_kv4`` stores
+them at 4 bits, which presses refuse (``kv_bits=4``) for the loss this entry measures (``research/kv-bits-4``): its
+press keeps the compact storage's 4-bit layers, so the measurement stays reproducible.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from kvzap.compact import compact_layer_like
 from kvzap.presses import (
     BasePress,
     DMSThresholdPress,
@@ -155,6 +157,19 @@ def bundled_weights(model_name: str, press: str) -> str | None:
     return weights_fingerprint(bundled_surrogate_dir(model_name, kind))
 
 
+class FourBitStoragePress(DMSThresholdPress):
+    """A DMS threshold press whose kept pairs are the compact storage's 4-bit codes: what ``kv_bits=4`` would be,
+    which presses refuse; the evaluation keeps it to measure why (``research/kv-bits-4``)."""
+
+    def _storage_layer(self, layer):
+        return compact_layer_like(layer, kv_bits=4)
+
+
+def _kvzap_kv4(value, *, surrogate=None, sliding_window_size=128, decoding=False, **_):
+    scorer = KVzapScorer("mlp", surrogate=surrogate)
+    return FourBitStoragePress(scorer, float(value), sliding_window_size=sliding_window_size, decoding=decoding)
+
+
 def _kvzap(model_type: str, **extra):
     def build(value, *, surrogate=None, sliding_window_size=128, decoding=False, **_):
         scorer = KVzapScorer(model_type, surrogate=surrogate)
@@ -206,8 +221,9 @@ PRESSES: dict[str, PressFactory] = {
         PressFactory(
             "kvzap_mlp_kv4",
             "threshold",
-            _kvzap("mlp", kv_bits=4),
-            "KVzap-MLP surrogate, DMS threshold with sliding window, kept pairs stored at 4 bits",
+            _kvzap_kv4,
+            "KVzap-MLP surrogate, DMS threshold with sliding window, kept pairs stored at 4 bits (refused by presses;"
+            " kept to measure why)",
             "mlp",
         ),
         PressFactory(

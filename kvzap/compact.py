@@ -52,7 +52,8 @@ split the same way (:mod:`kvzap.paged`):
   pool) as a batch; causal masks of multi-token steps come from the stored positions, so they are exact
   whatever was evicted.
 
-- **Quantized storage** (``kv_bits`` 8 or 4): each kept pair is quantized once, when it is written into the
+- **Quantized storage** (``kv_bits`` 8 or 4; presses store at 8 bits only, as 4-bit codes lose needles,
+  ``research/kv-bits-4``): each kept pair is quantized once, when it is written into the
   pool (the prefill's pack, an append, a hole refilled), with a float16 scale and minimum per slot and group
   of channels (:mod:`kvzap.paged.quant` says why per slot, with the errors measured); repacks, crops and batch
   reorders copy the codes as they are, and snapshots share them like float pairs. The fused kernel dequantizes

@@ -79,4 +79,4 @@ def test_run_gpu_script_dry_run_on_cpu(tmp_path):
     assert ttft["meta"]["device"] == "cpu" and [r["prefill_tokens"] for r in ttft["results"]] == [256, 512]
     assert all(0 < r["chunk:1024"]["evicted_share"] < 1 for r in ttft["results"])
     bf16 = json.loads((tmp_path / "alternatives_bf16.json").read_text())
-    assert {r["method"] for r in bf16["results"]} == {"none", "static", "kvzap", "kvzap_kv8", "kvzap_kv4"}
+    assert {r["method"] for r in bf16["results"]} == {"none", "static", "kvzap", "kvzap_kv8"}

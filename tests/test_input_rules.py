@@ -337,7 +337,7 @@ def test_a_numeric_attribute_set_later_is_range_checked(model, kind, name, attr)
 
 # kv_bits (every press) holds None by default, which the search above cannot see as a number: each press is
 # checked here, at construction (its factory's press with kv_bits given), set later, and inside the block.
-KV_BITS_BAD = [float("nan"), -1, 0, 3, 16, 8.0, "8", True]
+KV_BITS_BAD = [float("nan"), -1, 0, 3, 4, 16, 8.0, "8", True]  # 4: storage only, refused by presses
 
 
 @pytest.mark.parametrize("name", sorted(PRESSES))

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from benchmarks.outside import full_cache_bytes, model_storage_keys, reachable_bytes
 from kvzap import _compat
 from kvzap.cache import kv_bytes, restore_cache, snapshot_cache
-from kvzap.compact import CompactLayer
+from kvzap.compact import CompactLayer, compact_layer_like
 from kvzap.paged import kernels
 from kvzap.paged.attention import paged_attention
 from kvzap.paged.pool import BlockPool
@@ -25,8 +25,20 @@ from tests.conftest import random_ids, tiny_model
 from tests.test_compact import _steps
 
 
+class _FourBitStoragePress(DMSThresholdPress):
+    """The storage's 4-bit codes under a press, which presses refuse (``kv_bits=4``): what a study runs."""
+
+    def _storage_layer(self, layer):
+        return compact_layer_like(layer, kv_bits=4)
+
+
 def _press(kv_bits, threshold=0.7, window=4, **kwargs):
-    return DMSThresholdPress(
+    """A threshold press storing at ``kv_bits`` (4: through :class:`_FourBitStoragePress`)."""
+    if isinstance(kv_bits, int) and not isinstance(kv_bits, bool) and kv_bits == 4:
+        factory, kv_bits = _FourBitStoragePress, None
+    else:
+        factory = DMSThresholdPress
+    return factory(
         RandomScorer(seed=0), threshold=threshold, sliding_window_size=window, decoding=True, kv_bits=kv_bits, **kwargs
     )
 
@@ -193,7 +205,7 @@ def test_bytes_measured_from_outside_meet_the_goals_and_equal_the_accounting(bit
     model = tiny_model(
         "llama", hidden_size=256, intermediate_size=256, num_hidden_layers=2, max_position_embeddings=8192
     ).to(dtype)
-    press = DMSThresholdPress(RandomScorer(seed=0), threshold=0.52, decoding=True, kv_bits=bits)
+    press = _press(bits, threshold=0.52, window=128)
     cache, kw = DynamicCache(config=model.config), _compat.cache_kwarg_name(model)
     with press(model):
         token = model(random_ids(1, 8192, vocab=model.config.vocab_size), logits_to_keep=1, **{kw: cache}).logits
@@ -338,7 +350,25 @@ def test_kv_bits_other_than_none_8_or_4_is_refused(bad):
     with pytest.raises((TypeError, ValueError), match="kv_bits"):
         press.kv_bits = bad
     assert press.kv_bits == 8
-    assert _press(np.int64(4)).kv_bits == 4
+    assert _press(np.int64(8)).kv_bits == 8
+
+
+def test_a_press_refuses_4_bits_with_the_measurement_before_the_model_changes():
+    """4-bit storage loses needles against pruning alone (research/kv-bits-4): presses refuse it, whether given at
+    construction, set afterwards or set inside ``with press(model):``; the storage keeps its 4-bit codes."""
+    with pytest.raises(ValueError, match=r"kv_bits=4 is refused.*-4\.5 points.*kv_bits=8"):
+        DMSThresholdPress(RandomScorer(seed=0), threshold=0.5, kv_bits=np.int64(4))
+    model = tiny_model("llama")
+    press = _press(8)
+    before = model_fingerprint(model)
+    with pytest.raises(ValueError, match="kv_bits=4 is refused"):
+        press.kv_bits = 4
+    with pytest.raises(ValueError, match="kv_bits=4 is refused"):
+        with press(model):
+            press.kv_bits = 4
+    assert press.kv_bits == 8
+    assert_model_unchanged(before, model)
+    assert CompactLayer(kv_bits=4).kv_bits == 4
 
 
 def test_kv_bits_with_the_masked_storage_is_refused_before_the_model_changes():

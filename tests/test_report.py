@@ -75,12 +75,14 @@ def test_the_first_token_table_prints_each_runs_ratio_and_the_breakdown(tmp_path
         in breakdown
     )
     assert "| 8192 | a decoding step | no press | 1820.0 | 1000.0 | 500.0 | 20.0 | 100.0 | 200.0 |" in breakdown
-    # Gemma 3's file, with chunking alone (no press) beside it: no eviction share for a mode without a press.
+    # Gemma 3's file joins the same table, its rows naming the model; chunking alone (no press) shows no eviction.
     row = {"prefill_tokens": 32768, "none": mode(300.0, [1.0] * 3, 0.0), "plain:1024": mode(100.0, [0.33] * 3, 0.0)}
     (tmp_path / "gemma_ttft.json").write_text(json.dumps({"meta": {"runs": 3}, "results": [row]}))
-    gemma = _block(tmp_path, "gemma-ttft")
-    assert gemma[0].startswith("*") and "gemma_ttft.json" in gemma[0]
-    assert "| 32768 | no press, chunks of 1024 | 100.00 | **0.33x** (0.33, 0.33, 0.33) |  |" in gemma
+    both = _block(tmp_path, "ttft")
+    assert "[ttft.json]" in both[0] and "[gemma_ttft.json]" in both[0]
+    assert "| 32768, Gemma 3 270M | no press, chunks of 1024 | 100.00 | **0.33x** (0.33, 0.33, 0.33) |  |" in both
+    gemma_baseline = "| 32768, Gemma 3 270M | no press | 300.00 |  |  |"
+    assert both.index("| 8192 | no press | 20.00 |  |  |") < both.index(gemma_baseline)
 
 
 def test_the_second_model_section_reads_every_gemma_run_and_judges_the_collection(tmp_path):

@@ -37,6 +37,9 @@ positions, the bias and the host's slot map already take 0.015 of a bf16 cache: 
 scales, would miss the bf16 and 4-bit goals. The scales are float16 (relative rounding 5e-4, an eighth of an
 8-bit step; codes are computed against the rounded scale and minimum, so the rounding is not added to the
 error). Keys and values must fit in float16's range (+-65504), as those of every model kvzap supports do.
+
+Presses store at 8 bits only (:func:`kvzap.presses.checks.check_press_kv_bits`): on the needle suite, 4-bit codes
+lose needles against pruning alone (``research/kv-bits-4``). The 4-bit width stays in the storage for such studies.
 """
 
 from __future__ import annotations

@@ -34,7 +34,14 @@ from kvzap.attention import ATTENTION_NAME, bind, ensure_registered, unbind
 from kvzap.cache import PrunableLayer, own_window, prunable_layer_like
 from kvzap.compact import compact_layer_like
 from kvzap.layers import is_sliding_module
-from kvzap.presses.checks import as_bool, as_number, check_kv_bits, check_number, check_score_shape, check_scores
+from kvzap.presses.checks import (
+    as_bool,
+    as_number,
+    check_number,
+    check_press_kv_bits,
+    check_score_shape,
+    check_scores,
+)
 from kvzap.presses.padding import (
     _PAD_EVICTED,
     _PAD_MAX,
@@ -77,9 +84,10 @@ class BasePress(CompressionStats, ABC):
     ``storage`` (keyword only, every press): ``"compact"`` (default) physically frees evicted pairs;
     ``"masked"`` keeps them in a dense cache and hides them from attention (same logits).
 
-    ``kv_bits`` (keyword only, every press): None (default) stores the kept pairs in the model's dtype; 8 or 4
-    store them quantized, with float16 scales per slot and group of channels (compact storage only; see
-    :mod:`kvzap.paged.quant`). Sliding-window layers left in the masked storage keep the model's dtype.
+    ``kv_bits`` (keyword only, every press): None (default) stores the kept pairs in the model's dtype; 8 stores
+    them as 8-bit codes, with float16 scales per slot and group of channels (compact storage only; see
+    :mod:`kvzap.paged.quant`). Sliding-window layers left in the masked storage keep the model's dtype. 4 is
+    refused with the measurement that shows its loss (the storage itself can hold 4-bit codes, for studies).
 
     ``prune_sliding_layers`` (keyword only, every press): False (default) leaves the layers whose cache is
     bounded by a sliding window (see :mod:`kvzap.layers`) alone: they are not scored, not evicted, and not
@@ -113,7 +121,7 @@ class BasePress(CompressionStats, ABC):
         if name == "prune_sliding_layers":
             return as_bool("prune_sliding_layers", value)
         if name == "kv_bits":
-            return check_kv_bits(value)
+            return check_press_kv_bits(value)
         return value
 
     # Locks and thread-local objects cannot be copied or pickled: a copy of a press starts with fresh ones.
@@ -171,7 +179,7 @@ class BasePress(CompressionStats, ABC):
         if not isinstance(self.storage, str) or self.storage not in STORAGES:
             raise ValueError(f"storage must be one of {', '.join(map(repr, STORAGES))}, got {self.storage!r}.")
         self.prune_sliding_layers = as_bool("prune_sliding_layers", self.prune_sliding_layers)
-        self.kv_bits = check_kv_bits(self.kv_bits)
+        self.kv_bits = check_press_kv_bits(self.kv_bits)
         if self.kv_bits is not None and self.storage != "compact":
             raise ValueError(
                 f"kv_bits={self.kv_bits} quantizes the compact storage's pairs, but storage={self.storage!r} keeps a "
