@@ -8,7 +8,8 @@ forward and the first answer token, which is what the user waits for. Modes:
 - ``none``: no press (transformers' dynamic cache, sdpa);
 - ``dense``: kvzap, the context prefilled in one forward (``prefill_chunk_size=None``, the paper's setting);
 - ``chunk:N``: kvzap, the context prefilled in chunks of ``N`` tokens, each pruned before the next attends to it;
-- ``auto``: kvzap with the pipeline's default (``prefill_chunk_size="auto"``);
+- ``auto``: kvzap with the pipeline's default (``prefill_chunk_size="auto"``: one forward for every press kvzap
+  ships);
 - ``plain:N``: no press, the context prefilled in chunks of ``N`` tokens: what chunking alone gives (on Gemma 3,
   transformers' sliding-window layers then read only their window and the chunk).
 
@@ -50,7 +51,9 @@ QUESTION = "What is the launch code mentioned in the text?"
 
 def make_press(args) -> DMSThresholdPress:
     scorer = KVzapScorer("mlp", surrogate=args.surrogate) if args.model else RandomScorer(seed=0)
-    return DMSThresholdPress(scorer, threshold=args.threshold, sliding_window_size=args.window)
+    return DMSThresholdPress(
+        scorer, threshold=args.threshold, sliding_window_size=args.window, sink_size=args.sink_size
+    )
 
 
 def pressed(mode: str) -> bool:
@@ -245,6 +248,9 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", nargs="+", default=["none", "dense", "chunk:1024"])
     parser.add_argument("--threshold", type=float, default=None, help="default: -3 with --model, else 0.44")
     parser.add_argument("--window", type=int, default=128)
+    parser.add_argument(
+        "--sink-size", type=int, default=None, help="first tokens never evicted (default: the press's, 4 in chunks)"
+    )
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup-tokens", type=int, default=4096, help="prompt length of the untimed warm-up")
     parser.add_argument("--threads", type=int, default=None)
@@ -307,7 +313,14 @@ def main(argv=None) -> None:
             kvzap_modes = [m for m in args.modes if pressed(m)]
             row["breakdown"] = {m: breakdown(model, ids, m, args) for m in ["none", *kvzap_modes[-1:]]}
         results.append(row)
-    info = meta(threshold=args.threshold, window=args.window, runs=args.runs, device=args.device, dtype=args.dtype)
+    info = meta(
+        threshold=args.threshold,
+        window=args.window,
+        sink_size=args.sink_size,
+        runs=args.runs,
+        device=args.device,
+        dtype=args.dtype,
+    )
     write_results(args.json, info, results)
 
 

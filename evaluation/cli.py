@@ -121,6 +121,12 @@ def build_parser(prog: str = "python -m evaluation") -> argparse.ArgumentParser:
     )
     parser.add_argument("--sliding-window-size", dest="sliding_window_size", type=int)
     parser.add_argument(
+        "--sink-size",
+        dest="sink_size",
+        type=int,
+        help="first tokens threshold presses never evict (default: 4 in a chunked prefill, none in one forward)",
+    )
+    parser.add_argument(
         "--decoding", action="store_true", help="KVzap presses also prune during decoding (always on for aime25)"
     )
     parser.add_argument(

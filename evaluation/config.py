@@ -65,6 +65,8 @@ class EvalConfig:
     surrogate_mlp, surrogate_linear, surrogate_fastkvzip : the weights of one press type, overriding
         ``surrogate`` for it (e.g. one training run's ``mlp/`` and ``linear/`` swept in one command).
     sliding_window_size, decoding : DMS options of the KVzap presses (``aime25`` always prunes while decoding).
+    sink_size : first tokens a threshold press never evicts (None: the press's default, 4 in a chunked prefill and
+        none in one forward; see :data:`kvzap.presses.threshold.SINK_SIZE`).
     haystack_file : text file for the real-text haystack of ``ruler_offline`` (None: the Python reference).
     device : device to run on (None: the model's, or CPU for a loaded model).
     dtype : ``"float32"``, ``"bfloat16"`` or ``"float16"`` for a model loaded by the runner.
@@ -106,6 +108,7 @@ class EvalConfig:
     surrogate_fastkvzip: str | None = None
     sliding_window_size: int = 128
     decoding: bool = False
+    sink_size: int | None = None
     haystack_file: str | None = None
     device: str | None = None
     dtype: str = "float32"
@@ -245,6 +248,8 @@ class EvalConfig:
             )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}.")
+        if self.sink_size is not None and self.sink_size < 0:
+            raise ValueError(f"sink_size must be a non-negative integer, got {self.sink_size}.")
         for name in ("max_context_length", "max_new_tokens", "prefill_chunk_size"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -165,24 +165,33 @@ class FourBitStoragePress(DMSThresholdPress):
         return compact_layer_like(layer, kv_bits=4)
 
 
-def _kvzap_kv4(value, *, surrogate=None, sliding_window_size=128, decoding=False, **_):
+def _kvzap_kv4(value, *, surrogate=None, sliding_window_size=128, decoding=False, sink_size=None, **_):
     scorer = KVzapScorer("mlp", surrogate=surrogate)
-    return FourBitStoragePress(scorer, float(value), sliding_window_size=sliding_window_size, decoding=decoding)
+    return FourBitStoragePress(
+        scorer, float(value), sliding_window_size=sliding_window_size, decoding=decoding, sink_size=sink_size
+    )
 
 
 def _kvzap(model_type: str, **extra):
-    def build(value, *, surrogate=None, sliding_window_size=128, decoding=False, **_):
+    def build(value, *, surrogate=None, sliding_window_size=128, decoding=False, sink_size=None, **_):
         scorer = KVzapScorer(model_type, surrogate=surrogate)
         return DMSThresholdPress(
-            scorer, float(value), sliding_window_size=sliding_window_size, decoding=decoding, **extra
+            scorer,
+            float(value),
+            sliding_window_size=sliding_window_size,
+            decoding=decoding,
+            sink_size=sink_size,
+            **extra,
         )
 
     return build
 
 
-def _fastkvzip(value, *, surrogate=None, sliding_window_size=128, decoding=False, **_):
+def _fastkvzip(value, *, surrogate=None, sliding_window_size=128, decoding=False, sink_size=None, **_):
     scorer = FastKVzipScorer(surrogate=surrogate)
-    return DMSThresholdPress(scorer, float(value), sliding_window_size=sliding_window_size, decoding=decoding)
+    return DMSThresholdPress(
+        scorer, float(value), sliding_window_size=sliding_window_size, decoding=decoding, sink_size=sink_size
+    )
 
 
 def _kvzip_plus_topk(value, **_):
@@ -190,10 +199,14 @@ def _kvzip_plus_topk(value, **_):
     return TopKPress(KVzipPlusScorer(), float(value))
 
 
-def _kvzip_plus_threshold(value, *, sliding_window_size=128, decoding=False, **_):
+def _kvzip_plus_threshold(value, *, sliding_window_size=128, decoding=False, sink_size=None, **_):
     # decoding=True is refused by DMSThresholdPress with a clear error: the oracle scores the context only.
     return DMSThresholdPress(
-        KVzipPlusScorer(), float(value), sliding_window_size=sliding_window_size, decoding=decoding
+        KVzipPlusScorer(),
+        float(value),
+        sliding_window_size=sliding_window_size,
+        decoding=decoding,
+        sink_size=sink_size,
     )
 
 
@@ -288,6 +301,7 @@ def make_press(
     sliding_window_size: int = 128,
     decoding: bool = False,
     seed: int = 0,
+    sink_size: int | None = None,
 ) -> BasePress | CacheMethod | None:
     """Build press ``name`` for one threshold or compression ratio.
 
@@ -297,7 +311,7 @@ def make_press(
     value : the threshold (``knob == "threshold"``) or target compression ratio (``"compression_ratio"``);
         ignored for ``no_press``.
     surrogate : KVzap surrogate directory or Hub id; None uses the bundled one or the published checkpoint.
-    sliding_window_size, decoding : DMS options for threshold presses.
+    sliding_window_size, decoding, sink_size : DMS options for threshold presses.
     seed : seed of the random scorer.
 
     Returns
@@ -320,5 +334,10 @@ def make_press(
     if factory.knob is not None and value is None:
         raise ValueError(f"The press {name!r} needs a {factory.knob.replace('_', ' ')}.")
     return factory.build(
-        value, surrogate=surrogate, sliding_window_size=sliding_window_size, decoding=decoding, seed=seed
+        value,
+        surrogate=surrogate,
+        sliding_window_size=sliding_window_size,
+        decoding=decoding,
+        seed=seed,
+        sink_size=sink_size,
     )

@@ -99,6 +99,7 @@ def _make_run_press(config: EvalConfig, run: RunSpec):
             sliding_window_size=config.sliding_window_size,
             decoding=decoding,
             seed=config.seed,
+            sink_size=config.sink_size,
         )
     except ValueError as error:
         if decoding and config.benchmark.sampled:

@@ -135,21 +135,21 @@ def _prefill_forwards(model, call):
     return widths[: widths.index(1)] if 1 in widths else widths
 
 
-def test_the_default_chunk_size_comes_from_the_press(pipe, llama, monkeypatch):
+def test_the_prefill_is_one_forward_unless_chunks_are_asked_for(pipe, llama):
+    """Chunks lose needles at 4k (evaluation/results/smollm2-135m-4k-n40-chunked): every press's default is one
+    forward, and an explicit size chunks."""
     from kvzap import KVzipPlusScorer, TopKPress
-    from kvzap.presses import threshold
 
-    monkeypatch.setattr(threshold, "PREFILL_CHUNK_SIZE", 64)
     n_context = pipe.preprocess(CONTEXT, ["Code?"], "", None, False)["context_ids"].shape[1]
-    chunked = _prefill_forwards(llama, lambda: pipe(CONTEXT, question="Code?", press=press(), max_new_tokens=2))
-    assert chunked[:-1] == [64] * (n_context // 64) + ([n_context % 64] if n_context % 64 else [])
-    explicit = _prefill_forwards(
+    chunked = _prefill_forwards(
         llama, lambda: pipe(CONTEXT, question="Code?", press=press(), max_new_tokens=2, prefill_chunk_size=64)
     )
-    assert explicit == chunked
-    # One forward: when asked (None), with no press, for a press that decides over the whole prompt, and when
-    # the threshold evicts nothing.
+    assert chunked[:-1] == [64] * (n_context // 64) + ([n_context % 64] if n_context % 64 else [])
+    # One forward: by default ("auto"), when asked (None), with no press, for a press that decides over the whole
+    # prompt, and when the threshold evicts nothing.
     for kwargs in (
+        dict(press=press()),
+        dict(press=press(), prefill_chunk_size="auto"),
         dict(press=press(), prefill_chunk_size=None),
         dict(),
         dict(press=TopKPress(RandomScorer(0), target_compression=0.5)),
@@ -158,6 +158,7 @@ def test_the_default_chunk_size_comes_from_the_press(pipe, llama, monkeypatch):
         widths = _prefill_forwards(llama, lambda kw=kwargs: pipe(CONTEXT, question="Code?", max_new_tokens=2, **kw))
         assert widths[0] == n_context, kwargs
     assert DMSThresholdPress(KVzipPlusScorer(), threshold=-3).default_prefill_chunk_size is None
+    assert press().default_prefill_chunk_size is None
     # Without a press, an explicit size chunks the prefill in transformers' cache, with the one forward's answer.
     plain = _prefill_forwards(llama, lambda: pipe(CONTEXT, question="Code?", max_new_tokens=2, prefill_chunk_size=64))
     assert plain == chunked

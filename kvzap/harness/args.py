@@ -26,6 +26,7 @@ KVZAP_ARGS = (
     "variant",
     "surrogate",
     "window",
+    "sink_size",
     "decoding",
     "storage",
     "kv_bits",
@@ -47,6 +48,8 @@ class PressSettings:
     surrogate : surrogate directory or Hub id (None: bundled or published), or a surrogate module.
     variant : a bundled variant of the KVzap surrogate (``average``), or None.
     window : sliding window size (tokens never evicted).
+    sink_size : first tokens a threshold press never evicts; None leaves the press's default (4 in a chunked
+        prefill, such as ``loglikelihood_rolling``'s forwards of ``rolling_chunk`` tokens; none in one forward).
     decoding : threshold presses also prune generated tokens.
     storage : ``"compact"`` (evicted pairs freed) or ``"masked"``.
     kv_bits : quantization of the kept pairs, for presses with a ``kv_bits`` field; None leaves the default.
@@ -60,6 +63,7 @@ class PressSettings:
     surrogate: Any = None
     variant: str | None = None
     window: int = 128
+    sink_size: int | None = None
     decoding: bool = False
     storage: str = "compact"
     kv_bits: int | None = None
@@ -92,6 +96,13 @@ class PressSettings:
                     "kvzap; drop kv_bits."
                 )
             press.kv_bits = self.kv_bits
+        if self.sink_size is not None:
+            if "sink_size" not in getattr(press, "__dataclass_fields__", {}):
+                raise ValueError(
+                    f"sink_size={self.sink_size}: the press {self.press!r} is not a threshold press and keeps no "
+                    "sinks; drop sink_size."
+                )
+            press.sink_size = self.sink_size
         return press
 
     def record(self) -> dict[str, Any]:
@@ -103,6 +114,7 @@ class PressSettings:
             "surrogate": str(surrogate) if isinstance(surrogate, os.PathLike) else surrogate,
             "variant": self.variant,
             "window": self.window,
+            "sink_size": self.sink_size,
             "decoding": self.decoding,
             "storage": self.storage,
             "kv_bits": self.kv_bits,
@@ -209,6 +221,7 @@ def parse_press_settings(args: dict[str, Any]) -> PressSettings:
         surrogate=surrogate,
         variant=variant,
         window=_integer("window", args.get("window", 128), 0),
+        sink_size=None if args.get("sink_size") is None else _integer("sink_size", args["sink_size"], 0),
         decoding=_boolean("decoding", args.get("decoding", False)),
         storage=storage,
         kv_bits=None if args.get("kv_bits") is None else _integer("kv_bits", args["kv_bits"], 1),

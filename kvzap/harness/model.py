@@ -86,8 +86,8 @@ class KVzapLM(HFLM):
     pretrained : a Hub id, a local directory, a ``.gguf`` file or a kvzap short name (``smollm2-135m``, the
         default; ``gemma3-270m``), loaded by :func:`kvzap.models.load_model`; or a model object.
     press : a press name of ``kvzap evaluate`` (``kvzap_mlp`` by default; ``no_press`` for the full cache), or a
-        press object. threshold / compression_ratio, model_type, variant, surrogate, window, decoding, storage,
-        kv_bits, seed: its options (:class:`kvzap.harness.args.PressSettings`).
+        press object. threshold / compression_ratio, model_type, variant, surrogate, window, sink_size, decoding,
+        storage, kv_bits, seed: its options (:class:`kvzap.harness.args.PressSettings`).
     rolling_chunk : tokens per forward of ``loglikelihood_rolling`` (default 128).
     Every other argument is lm-eval's HF model's (``dtype``, ``batch_size``, ``max_length``, ...).
     """

@@ -152,6 +152,11 @@ def _evict_padding(layer: PrunableLayer, q_len: int) -> None:
     state[_PAD_EVICTED] = state[_PAD_EVICTED] + (layer.n_evicted - before).to(pads.device)
 
 
+def pad_offsets(layer: PrunableLayer) -> torch.Tensor | None:
+    """``(B,)`` padding columns before each row's first token; None without padding."""
+    return layer.press_state.get(_PADS)
+
+
 def pad_columns(layer: PrunableLayer, first: int, n: int) -> torch.Tensor | None:
     """``(B, n)`` True where columns ``first .. first + n - 1`` of the layer are padding; None without padding."""
     pads = layer.press_state.get(_PADS)

@@ -5,8 +5,10 @@ scored as it enters the cache; the most recent ``sliding_window_size`` tokens ar
 leaves that window its pair is evicted if its score is strictly below ``threshold``, and the decision is never
 revisited. In prefill the whole prompt is scored at once and evicted after that forward's attention (dense
 prefill); with ``decoding=True`` the scores of generated (and question) tokens wait in a buffer until they
-leave the window. Generated tokens are scored in batches of up to 16 (the scorer is a per-pair function, so this
-changes no score, only the number of calls): a batch is always scored before its first token leaves the window.
+leave the window. A chunked prefill also keeps each sequence's first tokens (``sink_size``, :data:`SINK_SIZE` by
+default), which its later chunks need as attention sinks. Generated tokens are scored in batches of up to 16
+(the scorer is a per-pair function, so this changes no score, only the number of calls): a batch is always scored
+before its first token leaves the window.
 
 Speculative decoding (``assistant_model=``, ``prompt_lookup_num_tokens=``) runs draft tokens and then crops the
 rejected ones. A decision is only taken for tokens that no crop can remove: the tokens before a forward's drafts
@@ -34,19 +36,30 @@ from kvzap.presses.base import (
     check_scores,
     pad_columns,
 )
+from kvzap.presses.padding import pad_offsets
 
-__all__ = ["DMSThresholdPress", "PREFILL_CHUNK_SIZE"]
+__all__ = ["DMSThresholdPress", "PREFILL_CHUNK_SIZE", "SINK_SIZE"]
 
 #: Decoded tokens scored per scorer call (at most; fewer when a token must leave the window before).
 _DECODE_SCORE_BATCH = 16
 
 
-#: Tokens per forward of the pipeline's prefill under a threshold press (its ``prefill_chunk_size`` default).
-#: Each chunk's pairs are pruned before the next chunk attends to them, so later chunks attend to the kept pairs
-#: only: measured on SmolLM2-135M-Instruct (fp32, 2 CPU threads, KVzap-MLP at -3, ~68% evicted), the prefill
-#: takes about 0.6-0.75 of the no-press time at 8k tokens with chunks of 1024, against 0.67 with 2048 and 0.79 of it
-#: at 4k (0.87 with 512); one dense forward takes 1.04-1.08 (BENCHMARKS.md, "Time to first token").
+#: The chunk size to pass for a chunked prefill (``prefill_chunk_size``), the fastest measured: each chunk's pairs
+#: are pruned before the next chunk attends to them, so the first token comes sooner (SmolLM2-135M-Instruct, fp32,
+#: 2 CPU threads, ~74% evicted: 0.69x no press at 8k with chunks of 1024, 0.71x with 2048; Gemma 3 270M at 32k:
+#: 0.14x; BENCHMARKS.md, "Time to first token"). It is not the default: on the 4k needle suite at threshold -2.5,
+#: chunks of 1024 lose -5.9 [-9.8, -2.5] points against one forward on the same 200 samples, the first tokens kept as
+#: sinks (``evaluation/results/smollm2-135m-4k-n40-chunked``).
 PREFILL_CHUNK_SIZE = 1024
+
+#: First tokens of a sequence a chunked prefill never evicts (``sink_size=None``). Later chunks attend to the kept
+#: pairs only, and a layer whose heads evicted the first tokens loses the attention sink that its queries park their
+#: weight on (StreamingLLM, arXiv 2309.17453): their representations drift and the question built on them fails.
+#: Measured on SmolLM2-135M-Instruct at 4k tokens, threshold -2.5: the scorer evicts position 0 in all heads of
+#: layers 0 and 1; without sinks chunks of 1024 lose -16.5 [-23.0, -10.2] needle points against one forward, and
+#: keeping 4 first tokens recovers them (``research/chunked-prefill-sinks``). One forward needs none: every prompt
+#: token attends to the whole prompt before anything is evicted.
+SINK_SIZE = 4
 
 
 @dataclass
@@ -64,6 +77,11 @@ class DMSThresholdPress(BasePress):
         Number of most recent tokens that are always kept.
     decoding : bool, default False
         Also prune tokens processed after the prefill (questions, generated tokens).
+    sink_size : int or None, default None
+        Number of first tokens of each sequence (after its padding) that are never evicted. None: :data:`SINK_SIZE`
+        when the prompt is prefilled in chunks (``prefill_chunk_size``, :meth:`prefilling`), where later chunks
+        attend to the kept pairs and need the first tokens as attention sinks; 0 in one forward (the paper's
+        setting).
 
     The compression ratio is an outcome, not an input: read :attr:`compression_ratio` (and the per-layer,
     per-head and per-sample ratios) after a forward pass.
@@ -73,6 +91,7 @@ class DMSThresholdPress(BasePress):
     threshold: float | None = None
     sliding_window_size: int = 128
     decoding: bool = False
+    sink_size: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -94,6 +113,8 @@ class DMSThresholdPress(BasePress):
             )
         elif name == "sliding_window_size":
             value = check_number("sliding_window_size", value, integer=True, minimum=0)
+        elif name == "sink_size":
+            value = check_number("sink_size", value, integer=True, minimum=0, allow_none=True)
         elif name == "decoding":
             value = as_bool("decoding", value)
             if value and "scorer" in self.__dict__:
@@ -110,12 +131,10 @@ class DMSThresholdPress(BasePress):
 
     @property
     def default_prefill_chunk_size(self) -> int | None:
-        """:data:`PREFILL_CHUNK_SIZE` for a scorer that scores tokens after the first forward too (every scorer
-        but the KVzip+ oracle, which needs the whole context in one forward); None (one forward) otherwise, and
-        when the threshold evicts nothing."""
-        if not self.scorer.supports_decoding or self.threshold == float("-inf"):
-            return None
-        return PREFILL_CHUNK_SIZE
+        """None: one forward, the paper's setting. A chunked prefill (``prefill_chunk_size=PREFILL_CHUNK_SIZE``)
+        brings the first token sooner but loses needles at 4k tokens (see :data:`PREFILL_CHUNK_SIZE`), so the
+        pipeline chunks only when asked."""
+        return None
 
     def validate(self) -> None:
         super().validate()
@@ -230,6 +249,8 @@ class DMSThresholdPress(BasePress):
                 return
             # A new sequence, or tokens went by unscored: the buffer restarts with this forward's tokens.
             buffered = (None, first_new, (), 0, 0)
+            if first_new == 0:  # the sinks are those of how the sequence is prefilled, whatever comes later
+                layer.press_state["sink_size"] = self.effective_sink_size
         pending, start, unscored, n_pending, n_unscored = buffered
         if new is not None:
             unscored += (new,)
@@ -245,11 +266,39 @@ class DMSThresholdPress(BasePress):
 
         if n_leaving > 0:
             # These tokens leave the window now: decide their fate once and for all.
-            layer.evict(start, pending[..., :n_leaving] < self.threshold)
+            evicted = pending[..., :n_leaving] < self.threshold
+            sinks = self._sinks(layer, start, n_leaving, evicted.shape[0])
+            if sinks is not None:
+                evicted &= ~sinks[:, None, :].to(evicted.device)
+            layer.evict(start, evicted)
             pending, start = pending[..., n_leaving:], start + n_leaving
         state = layer.press_state
         state["pending"], state["pending_start"], state["unscored"] = pending, start, unscored
         state["n_unscored"] = n_unscored
+
+    @property
+    def effective_sink_size(self) -> int:
+        """The first tokens a sequence starting now keeps: ``sink_size``, or for None :data:`SINK_SIZE` inside a
+        chunked prefill (:meth:`prefilling`) and 0 otherwise."""
+        if self.sink_size is not None:
+            return self.sink_size
+        return SINK_SIZE if self._prefilling else 0
+
+    @staticmethod
+    def _sinks(layer: PrunableLayer, first: int, n: int, bsz: int) -> torch.Tensor | None:
+        """``(B, n)`` True where columns ``first .. first + n - 1`` are among a row's first real tokens (its sinks);
+        None when none of them are."""
+        sink = layer.press_state.get("sink_size", 0)
+        if sink == 0:
+            return None
+        pads = pad_offsets(layer)  # (B,) padding columns before each row's first token, or None
+        if first >= sink + (0 if pads is None else int(pads.max())):
+            return None
+        columns = torch.arange(first, first + n)[None, :]
+        if pads is None:
+            return (columns < sink).expand(bsz, n)
+        pads = pads.cpu()[:, None]
+        return (columns >= pads) & (columns < pads + sink)
 
     def _score(self, module: nn.Module, layer: PrunableLayer, unscored: tuple, first: int) -> torch.Tensor:
         """Scores ``(B, H, q)`` of the buffered new pairs, at absolute positions ``first ..``.

@@ -436,6 +436,31 @@ def test_chunked_prefill_runs_in_their_own_directories(finished, monkeypatch):
     assert recorded["prefill_chunk_size"] == 64
 
 
+def test_sinks_key_the_runs_that_keep_them_and_reach_the_press(tmp_path):
+    from evaluation.cli import config_from_args
+    from evaluation.presses import make_press
+    from evaluation.runner import RunSpec
+
+    def directory(press="kvzip_plus_threshold", **settings):
+        knob, value = ("threshold", -4.0) if press != "random" else ("compression_ratio", 0.5)
+        config = load_config(output_dir=str(tmp_path), presses=[press], **settings)
+        return run_dir(config, RunSpec(press, knob, value, 400), "tiny")
+
+    dense = directory()
+    assert directory(sink_size=None) == dense  # one forward keeps no sinks: its directory is unchanged
+    assert directory(sink_size=2) != dense
+    # In chunks the press keeps SINK_SIZE (4) unless told: the same setting as an explicit 4, not as 0.
+    assert directory(prefill_chunk_size=64) == directory(prefill_chunk_size=64, sink_size=4)
+    assert directory(prefill_chunk_size=64, sink_size=0) != directory(prefill_chunk_size=64)
+    assert directory("random", sink_size=2) == directory("random")  # top-k presses keep no sinks
+    assert make_press("kvzip_plus_threshold", -4.0, sink_size=3).sink_size == 3
+    assert make_press("kvzip_plus_threshold", -4.0).sink_size is None
+    config, _ = config_from_args(["--press", "kvzap_mlp", "--threshold=-3", "--sink-size", "2"])
+    assert config.sink_size == 2
+    with pytest.raises(ValueError, match="sink_size"):
+        load_config(sink_size=-1)
+
+
 def test_processes_share_the_runs(tmp_path, monkeypatch):
     """Under a multi-process launch, process r of N runs runs[r::N]; together they cover the sweep once."""
     import evaluation.runner as runner

@@ -136,11 +136,21 @@ def test_generic_generation_runs_under_the_press(setup):
         ({"press": "kvzap_mlp", "threshold": -3, "variant": "nope"}, "variant"),
         ({"press": "kvzap_mlp", "threshold": -3, "storage": "paged"}, "storage"),
         ({"press": "kvzap_mlp", "threshold": -3, "window": -1}, "window"),
+        ({"press": "kvzap_mlp", "threshold": -3, "sink_size": -1}, "sink_size"),
+        ({"press": "key_norm", "compression_ratio": 0.5, "sink_size": 4}, "sink_size"),
     ],
 )
 def test_bad_model_arguments_are_refused_before_loading(args, message):
     with pytest.raises(ValueError, match=message):
         check_model_args(args)
+
+
+def test_sink_size_reaches_the_press_and_the_record():
+    from kvzap.harness.args import parse_press_settings
+
+    settings = parse_press_settings({"press": "kvzap_mlp", "threshold": -3, "sink_size": "2"})
+    assert settings.build().sink_size == 2 and settings.record()["sink_size"] == 2
+    assert parse_press_settings({"press": "kvzap_mlp", "threshold": -3}).build().sink_size is None
 
 
 def test_a_surrogate_that_does_not_fit_is_refused_before_loading(tmp_path, setup):

@@ -1,5 +1,6 @@
 """DMSThresholdPress: the eviction rule against a naive reference, logits, ratios and bad input."""
 
+import contextlib
 import math
 
 import pytest
@@ -10,7 +11,8 @@ from transformers import DynamicCache
 
 from kvzap import DMSPress, DMSThresholdPress, RandomScorer, Scorer
 from kvzap._compat import cache_kwarg_name
-from kvzap.presses.baseline_scorers import KeyNormScorer
+from kvzap.presses.baseline_scorers import ConstantScorer, KeyNormScorer
+from kvzap.presses.threshold import SINK_SIZE
 from tests.conftest import FAMILIES, random_ids, tiny_model
 
 
@@ -230,7 +232,8 @@ def test_chunked_prefill_prunes_each_chunk_like_a_continuing_sequence(llama, win
     ids = random_ids(2, 31, seed=window)
     # The last token makes the decoding-time reference take the decisions its last 10-token step deferred.
     chunks = [10, 10, 10, 1]
-    chunked = DMSThresholdPress(RandomScorer(4), threshold=0.0, sliding_window_size=window)  # decoding=False
+    # decoding=False; no sinks, which the decoding-time reference (a prefill in one forward) does not keep either.
+    chunked = DMSThresholdPress(RandomScorer(4), threshold=0.0, sliding_window_size=window, sink_size=0)
     cache = DynamicCache(config=llama.config)
     kw = cache_kwarg_name(llama)
     with chunked(llama), chunked.prefilling():
@@ -245,6 +248,61 @@ def test_chunked_prefill_prunes_each_chunk_like_a_continuing_sequence(llama, win
     for ours, theirs in zip(cache.layers, reference.layers, strict=True):
         assert torch.equal(ours.keep_mask()[..., :30], theirs.keep_mask()[..., :30])
     assert chunked.compression_ratio > 0
+
+
+def _prefill(model, press, ids, chunks, mask=None):
+    """Prefill ``ids`` in forwards of ``chunks`` tokens (inside ``press.prefilling()`` when several); the cache."""
+    cache = DynamicCache(config=model.config)
+    kw = cache_kwarg_name(model)
+    mask = torch.ones_like(ids) if mask is None else mask
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    with press(model), press.prefilling() if len(chunks) > 1 else contextlib.nullcontext():
+        start = 0
+        for size in chunks:
+            end = start + size
+            model(ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end], **{kw: cache})
+            start = end
+    return cache
+
+
+@pytest.mark.parametrize(
+    ("sink_size", "chunked", "kept"),
+    [(None, True, SINK_SIZE), (None, False, 0), (0, True, 0), (2, False, 2), (6, True, 6)],
+)
+def test_the_first_tokens_are_kept_as_sinks_in_a_chunked_prefill_or_when_asked(llama, sink_size, chunked, kept):
+    # Every score is below the threshold: all but the window and the sinks goes.
+    press = DMSThresholdPress(ConstantScorer(-1.0), threshold=0.0, sliding_window_size=4, sink_size=sink_size)
+    ids = random_ids(2, 24, seed=3)
+    cache = _prefill(llama, press, ids, [8, 8, 8] if chunked else [24])
+    for layer in cache.layers:
+        expected = torch.zeros(2, layer.keep_mask().shape[1], 24, dtype=torch.bool)
+        expected[..., :kept] = True
+        expected[..., -4:] = True
+        assert torch.equal(layer.keep_mask(), expected)
+    assert press.effective_sink_size == (sink_size if sink_size is not None else 0)  # outside the prefill
+
+
+def test_the_sinks_of_a_padded_row_are_its_first_real_tokens(llama):
+    press = DMSThresholdPress(ConstantScorer(-1.0), threshold=0.0, sliding_window_size=4)
+    ids = random_ids(2, 24, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # row 1: five padding columns on the left
+    cache = _prefill(llama, press, ids, [12, 6, 6], mask)
+    for layer in cache.layers:
+        keep = layer.keep_mask()
+        assert keep[0, :, :SINK_SIZE].all() and not keep[0, :, SINK_SIZE:-4].any()
+        assert not keep[1, :, :5].any() and keep[1, :, 5 : 5 + SINK_SIZE].all()
+        assert not keep[1, :, 5 + SINK_SIZE : -4].any() and keep[:, :, -4:].all()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "4", float("nan")])
+def test_a_bad_sink_size_is_refused(bad):
+    with pytest.raises((TypeError, ValueError), match="sink_size"):
+        DMSThresholdPress(ConstantScorer(), threshold=0.0, sink_size=bad)
+    press = DMSThresholdPress(ConstantScorer(), threshold=0.0)
+    with pytest.raises((TypeError, ValueError), match="sink_size"):
+        press.sink_size = bad
+    assert press.sink_size is None
 
 
 class CountingKeyNormScorer(KeyNormScorer):
