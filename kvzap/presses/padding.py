@@ -152,9 +152,11 @@ def _evict_padding(layer: PrunableLayer, q_len: int) -> None:
     state[_PAD_EVICTED] = state[_PAD_EVICTED] + (layer.n_evicted - before).to(pads.device)
 
 
-def pad_offsets(layer: PrunableLayer) -> torch.Tensor | None:
-    """``(B,)`` padding columns before each row's first token; None without padding."""
-    return layer.press_state.get(_PADS)
+def pad_offsets(layer: PrunableLayer) -> tuple[torch.Tensor | None, int]:
+    """``(B,)`` padding columns before each row's first token (None without padding), and their maximum (an int
+    known on the host: reading it syncs no device)."""
+    pads = layer.press_state.get(_PADS)
+    return pads, (int(layer.press_state[_PAD_MAX]) if pads is not None else 0)
 
 
 def pad_columns(layer: PrunableLayer, first: int, n: int) -> torch.Tensor | None:

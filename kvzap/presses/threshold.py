@@ -291,8 +291,8 @@ class DMSThresholdPress(BasePress):
         sink = layer.press_state.get("sink_size", 0)
         if sink == 0:
             return None
-        pads = pad_offsets(layer)  # (B,) padding columns before each row's first token, or None
-        if first >= sink + (0 if pads is None else int(pads.max())):
+        pads, pad_max = pad_offsets(layer)  # (B,) padding columns before each row's first token (or None), their max
+        if first >= sink + pad_max:
             return None
         columns = torch.arange(first, first + n)[None, :]
         if pads is None:
