@@ -82,6 +82,7 @@ class PressSettings:
             sliding_window_size=self.window,
             decoding=self.decoding,
             seed=self.seed,
+            sink_size=self.sink_size,  # taken by threshold presses; refused below for the others
         )
         if press is None:
             return None
@@ -90,19 +91,17 @@ class PressSettings:
             press.scorer = KVzapScorer(PRESSES[self.press].surrogate_type, variant=self.variant)
         press.storage = self.storage
         if self.kv_bits is not None:
-            if "kv_bits" not in getattr(press, "__dataclass_fields__", {}):
+            if not _has_option(press, "kv_bits"):
                 raise ValueError(
                     f"kv_bits={self.kv_bits}: the press {self.press!r} has no kv_bits option in this version of "
                     "kvzap; drop kv_bits."
                 )
             press.kv_bits = self.kv_bits
-        if self.sink_size is not None:
-            if "sink_size" not in getattr(press, "__dataclass_fields__", {}):
-                raise ValueError(
-                    f"sink_size={self.sink_size}: the press {self.press!r} is not a threshold press and keeps no "
-                    "sinks; drop sink_size."
-                )
-            press.sink_size = self.sink_size
+        if self.sink_size is not None and not _has_option(press, "sink_size"):
+            raise ValueError(
+                f"sink_size={self.sink_size}: the press {self.press!r} is not a threshold press and keeps no "
+                "sinks; drop sink_size."
+            )
         return press
 
     def record(self) -> dict[str, Any]:
@@ -121,6 +120,11 @@ class PressSettings:
             "seed": self.seed,
             "rolling_chunk": self.rolling_chunk,
         }
+
+
+def _has_option(press: Any, name: str) -> bool:
+    """Whether ``press`` has the dataclass field ``name`` (an option it can be given)."""
+    return name in getattr(press, "__dataclass_fields__", {})
 
 
 def _number(name: str, value: Any) -> float:

@@ -129,13 +129,6 @@ class DMSThresholdPress(BasePress):
                 "use decoding=False."
             )
 
-    @property
-    def default_prefill_chunk_size(self) -> int | None:
-        """None: one forward, the paper's setting. A chunked prefill (``prefill_chunk_size=PREFILL_CHUNK_SIZE``)
-        brings the first token sooner but loses needles at 4k tokens (see :data:`PREFILL_CHUNK_SIZE`), so the
-        pipeline chunks only when asked."""
-        return None
-
     def validate(self) -> None:
         super().validate()
         if not isinstance(self.scorer, Scorer):
@@ -267,9 +260,9 @@ class DMSThresholdPress(BasePress):
         if n_leaving > 0:
             # These tokens leave the window now: decide their fate once and for all.
             evicted = pending[..., :n_leaving] < self.threshold
-            sinks = self._sinks(layer, start, n_leaving, evicted.shape[0])
+            sinks = self._sinks(layer, start, evicted)
             if sinks is not None:
-                evicted &= ~sinks[:, None, :].to(evicted.device)
+                evicted &= ~sinks[:, None, :]
             layer.evict(start, evicted)
             pending, start = pending[..., n_leaving:], start + n_leaving
         state = layer.press_state
@@ -285,19 +278,20 @@ class DMSThresholdPress(BasePress):
         return SINK_SIZE if self._prefilling else 0
 
     @staticmethod
-    def _sinks(layer: PrunableLayer, first: int, n: int, bsz: int) -> torch.Tensor | None:
-        """``(B, n)`` True where columns ``first .. first + n - 1`` are among a row's first real tokens (its sinks);
-        None when none of them are."""
+    def _sinks(layer: PrunableLayer, first: int, evicted: torch.Tensor) -> torch.Tensor | None:
+        """``(B, n)`` True where the columns ``first ..`` of ``evicted`` ``(B, H, n)`` are among a row's first real
+        tokens (its sinks), on its device; None when none of them are."""
         sink = layer.press_state.get("sink_size", 0)
         if sink == 0:
             return None
         pads, pad_max = pad_offsets(layer)  # (B,) padding columns before each row's first token (or None), their max
         if first >= sink + pad_max:
             return None
-        columns = torch.arange(first, first + n)[None, :]
+        bsz, _, n = evicted.shape
+        columns = torch.arange(first, first + n, device=evicted.device)[None, :]
         if pads is None:
             return (columns < sink).expand(bsz, n)
-        pads = pads.cpu()[:, None]
+        pads = pads.to(evicted.device)[:, None]
         return (columns >= pads) & (columns < pads + sink)
 
     def _score(self, module: nn.Module, layer: PrunableLayer, unscored: tuple, first: int) -> torch.Tensor:
