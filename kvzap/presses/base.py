@@ -224,21 +224,10 @@ class BasePress(CompressionStats, ABC):
         tokens even when ``decoding=False``. Positions must be passed (or come from the cache) as usual.
         """
         previous, self._prefilling = self._prefilling, True
-        if not previous:
-            self._local.prefill_layers = {}
         try:
             yield
-            if not previous:
-                self.end_prefill(self._local.prefill_layers)
         finally:
             self._prefilling = previous
-            if not previous:
-                self._local.prefill_layers = {}
-
-    def end_prefill(self, layers: dict[nn.Module, PrunableLayer]) -> None:
-        """Called when a chunked prefill (:meth:`prefilling`) ends without error, with the attention modules it ran
-        and their cache layers: a press that deferred decisions for the last chunk takes them here. Default:
-        nothing."""
 
     def _storage_layer(self, layer: Any) -> PrunableLayer:
         """The prunable layer of the press's storage (and ``kv_bits``) standing in for transformers' ``layer``."""
@@ -300,8 +289,6 @@ class BasePress(CompressionStats, ABC):
                 layer.press_state[_PAD_MAX] = pads[1]
                 layer.press_state[_PAD_EVICTED] = torch.zeros_like(pads[0])[:, None]
         prefill = new_sequence or self._prefilling
-        if self._prefilling:
-            self._local.prefill_layers[module] = layer
         self.before_layer(module, layer, prefill)
         bind(module, layer)
         self._calls[module] = (layer, prefill)
@@ -540,8 +527,6 @@ class _ThreadState(threading.local):
         self.calls: dict[nn.Module, tuple[PrunableLayer, bool]] = {}
         self.stats: dict[int, tuple[torch.Tensor, int]] = {}
         self.prefilling = False
-        # The attention modules a chunked prefill ran and their cache layers (see BasePress.end_prefill).
-        self.prefill_layers: dict[nn.Module, PrunableLayer] = {}
         self.drafts: int | None = None
         self.next_drafts: int | None = None
         # Pad counts ((B,) tensor, max) of the decoder forward that starts a sequence, read by its layers.

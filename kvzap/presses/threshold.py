@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvzap import _compat
 from kvzap.cache import PrunableLayer
 from kvzap.presses.base import (
     BasePress,
@@ -250,8 +249,6 @@ class DMSThresholdPress(BasePress):
             unscored += (new,)
             n_unscored += q_len
         n_leaving = committed - self.sliding_window_size - start  # tokens between start and the window
-        if new is not None and self._prefilling:
-            n_leaving -= q_len  # a prefill chunk's decisions wait until the next chunk attended to it
         if unscored and (score_all or n_unscored >= _DECODE_SCORE_BATCH or n_leaving > n_pending):
             # Decoded tokens are scored in batches (one scorer call for up to _DECODE_SCORE_BATCH of them, the
             # fixed cost of a call dominates a single token's); a token's score is needed only when it leaves the
@@ -271,14 +268,6 @@ class DMSThresholdPress(BasePress):
         state = layer.press_state
         state["pending"], state["pending_start"], state["unscored"] = pending, start, unscored
         state["n_unscored"] = n_unscored
-
-    def end_prefill(self, layers: dict[nn.Module, PrunableLayer]) -> None:
-        # The last chunk's decisions, deferred like every chunk's, are taken when the prefill ends.
-        if not self.scores_needed:
-            return
-        for module, layer in layers.items():
-            self._decide(module, layer, None, layer.seen, score_all=True)
-            self._record(_compat.layer_index(module), layer)
 
     @property
     def effective_sink_size(self) -> int:

@@ -295,42 +295,6 @@ def test_the_sinks_of_a_padded_row_are_its_first_real_tokens(llama):
         assert not keep[1, :, 5 + SINK_SIZE : -4].any() and keep[:, :, -4:].all()
 
 
-@pytest.mark.parametrize("storage", ["compact", "masked"])
-def test_a_chunk_is_evicted_once_the_next_chunk_attended_to_it(llama, storage):
-    # Every score is below the threshold: what is kept is the window, and what waits for the next chunk.
-    press = DMSThresholdPress(ConstantScorer(-1.0), threshold=0.0, sliding_window_size=4, sink_size=0, storage=storage)
-    ids = random_ids(2, 24, seed=5)
-    cache = DynamicCache(config=llama.config)
-    kw = cache_kwarg_name(llama)
-    kept_during = []
-    with press(llama), press.prefilling():
-        for start in (0, 8, 16):
-            llama(ids[:, start : start + 8], **{kw: cache})
-            kept_during.append(cache.layers[0].keep_mask()[0, 0].nonzero().flatten().tolist())
-        assert press.compression_ratio == pytest.approx(12 / 24)  # the last chunk's decisions still wait
-    # After each chunk, the chunk before it and the window before that are still there; the last chunk's
-    # decisions are taken when the prefill ends.
-    assert kept_during == [list(range(8)), list(range(4, 16)), list(range(12, 24))]
-    for layer in cache.layers:
-        expected = torch.zeros(2, layer.keep_mask().shape[1], 24, dtype=torch.bool)
-        expected[..., -4:] = True
-        assert torch.equal(layer.keep_mask(), expected)
-    assert press.compression_ratio == pytest.approx(20 / 24)
-
-
-def test_a_chunked_prefill_that_raises_takes_no_deferred_decision(llama):
-    press = DMSThresholdPress(ConstantScorer(-1.0), threshold=0.0, sliding_window_size=4, sink_size=0)
-    ids = random_ids(1, 16, seed=6)
-    cache = DynamicCache(config=llama.config)
-    kw = cache_kwarg_name(llama)
-    with press(llama):
-        with pytest.raises(KeyboardInterrupt), press.prefilling():
-            llama(ids[:, :8], **{kw: cache})
-            llama(ids[:, 8:], **{kw: cache})
-            raise KeyboardInterrupt
-    assert cache.layers[0].keep_mask()[0, 0].nonzero().flatten().tolist() == list(range(4, 16))
-
-
 @pytest.mark.parametrize("bad", [-1, 1.5, "4", float("nan")])
 def test_a_bad_sink_size_is_refused(bad):
     with pytest.raises((TypeError, ValueError), match="sink_size"):
