@@ -35,7 +35,7 @@ if [ "$PART" != memory ]; then  # speed: decoding, prefill, scorers, the collect
 # Ragged batch: 8 prompts of 1k-4k tokens, 64 decoded tokens each, one at a time vs batched (no press, kvzap)
 "$PY" -m benchmarks.bench_batch "${common[@]}" --threshold="$TAU" --decode 64 --runs "$BATCH_RUNS" \
     --json "$OUT/batch.json"
-# Time to the first answer token through the pipeline: no press, one dense forward, chunked prefills (the default)
+# Time to the first answer token through the pipeline: no press, one dense forward (the default), chunked prefills
 "$PY" -m benchmarks.bench_ttft "${common[@]}" --prefill 4096 8192 --threshold=-3 \
     --modes none dense chunk:2048 chunk:1024 --runs "$RUNS" --breakdown --json "$OUT/ttft.json"
 # Side by side: the static and quantized caches of transformers, kvzap, kvzap with 8- and 4-bit storage

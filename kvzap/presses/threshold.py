@@ -46,7 +46,7 @@ _DECODE_SCORE_BATCH = 16
 
 #: The chunk size to pass for a chunked prefill (``prefill_chunk_size``), the fastest measured: each chunk's pairs
 #: are pruned before the next chunk attends to them, so the first token comes sooner (SmolLM2-135M-Instruct, fp32,
-#: 2 CPU threads, ~74% evicted: 0.69x no press at 8k with chunks of 1024, 0.71x with 2048; Gemma 3 270M at 32k:
+#: 2 CPU threads, ~74% evicted: 0.72x no press at 8k with chunks of 1024, 0.73x with 2048; Gemma 3 270M at 32k:
 #: 0.14x; BENCHMARKS.md, "Time to first token"). It is not the default: on the 4k needle suite at threshold -2.5,
 #: chunks of 1024 lose -5.9 [-9.8, -2.5] points against one forward on the same 200 samples, the first tokens kept as
 #: sinks (``evaluation/results/smollm2-135m-4k-n40-chunked``).
