@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvzap.presses.threshold import SINK_SIZE
+from kvzap.presses.threshold import resolve_sink_size
 
 from . import ruler
 from .benchmarks import DEFAULT_DATASET
@@ -121,11 +121,10 @@ def _run_record(config: EvalConfig, run: RunSpec, model_name: str) -> dict[str, 
         record["surrogate_weights"] = surrogate_weights(config, run.press, model_name)
     if config.prefill_chunk_size is not None:  # only when set: runs of a dense prefill keep their directories
         record["prefill_chunk_size"] = config.prefill_chunk_size
-    sinks = config.sink_size
-    if sinks is None and config.prefill_chunk_size is not None:
-        sinks = SINK_SIZE  # what the press keeps in a chunked prefill unless told
-    if sinks is not None and run.knob == "threshold":  # as above: runs without sinks keep their directories
-        record["sink_size"] = sinks
+    # As above: runs of one forward without sinks keep their directories.
+    chunked = config.prefill_chunk_size is not None
+    if run.knob == "threshold" and (chunked or config.sink_size is not None):
+        record["sink_size"] = resolve_sink_size(config.sink_size, chunked)
     if benchmark.hub_id is None:
         record["n_samples"] = config.samples_per_task
         record["haystack"] = config.haystack_file or ruler.default_text_source()

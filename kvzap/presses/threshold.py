@@ -38,7 +38,7 @@ from kvzap.presses.base import (
 )
 from kvzap.presses.padding import pad_offsets
 
-__all__ = ["DMSThresholdPress", "PREFILL_CHUNK_SIZE", "SINK_SIZE"]
+__all__ = ["DMSThresholdPress", "PREFILL_CHUNK_SIZE", "SINK_SIZE", "resolve_sink_size"]
 
 #: Decoded tokens scored per scorer call (at most; fewer when a token must leave the window before).
 _DECODE_SCORE_BATCH = 16
@@ -60,6 +60,14 @@ PREFILL_CHUNK_SIZE = 1024
 #: keeping 4 first tokens recovers them (``research/chunked-prefill-sinks``). One forward needs none: every prompt
 #: token attends to the whole prompt before anything is evicted.
 SINK_SIZE = 4
+
+
+def resolve_sink_size(sink_size: int | None, chunked: bool) -> int:
+    """The first tokens a sequence keeps under ``sink_size``: itself when given; for None, :data:`SINK_SIZE` in a
+    chunked prefill and 0 in one forward."""
+    if sink_size is not None:
+        return sink_size
+    return SINK_SIZE if chunked else 0
 
 
 @dataclass
@@ -271,11 +279,9 @@ class DMSThresholdPress(BasePress):
 
     @property
     def effective_sink_size(self) -> int:
-        """The first tokens a sequence starting now keeps: ``sink_size``, or for None :data:`SINK_SIZE` inside a
-        chunked prefill (:meth:`prefilling`) and 0 otherwise."""
-        if self.sink_size is not None:
-            return self.sink_size
-        return SINK_SIZE if self._prefilling else 0
+        """The first tokens a sequence starting now keeps (:func:`resolve_sink_size`; chunked inside
+        :meth:`prefilling`)."""
+        return resolve_sink_size(self.sink_size, chunked=self._prefilling)
 
     @staticmethod
     def _sinks(layer: PrunableLayer, first: int, evicted: torch.Tensor) -> torch.Tensor | None:
