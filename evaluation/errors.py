@@ -18,6 +18,10 @@ ends in one of four outcomes:
 The samples are regenerated from the run's ``config.json`` (task, length, seed, haystack) with the model's
 tokenizer, and each must have the answers the run recorded. Unfinished runs are read from their
 ``predictions.partial.jsonl``.
+
+With ``--by-position TOKENS`` each asked number is also counted by where its needle sits: the tokens of the
+context before it, in bins of ``TOKENS`` (pass a chunked run's chunk size to see which chunk lost its needles;
+the chat template's few tokens before the context are not counted).
 """
 
 from __future__ import annotations
@@ -82,18 +86,27 @@ def run_config(run_dir: str | Path) -> dict[str, Any]:
     return config
 
 
-def needle_errors(run_dir: str | Path, tokenizer: Any) -> dict[str, Any]:
+def _needle_position(tokenizer: Any, context: str, expected: str) -> int:
+    """Tokens of ``context`` before the needle that holds the number ``expected``."""
+    match = next(m for m in ruler.NEEDLE_PATTERN.finditer(context) if m.group(2) == expected)
+    return len(tokenizer.encode(context[: match.start()], add_special_tokens=False))
+
+
+def needle_errors(run_dir: str | Path, tokenizer: Any, bin_tokens: int | None = None) -> dict[str, Any]:
     """Count the outcomes of the asked numbers of a run's ``niah_*`` samples, per task.
 
     Parameters
     ----------
     run_dir : a run directory of ``python -m evaluation`` on ``ruler_offline``.
     tokenizer : the tokenizer of the run's model (it fits the samples to their length).
+    bin_tokens : also count the outcomes by the position of each asked needle in the context, in bins of this many
+        tokens (e.g. a chunked prefill's chunk size). None: not counted.
 
     Returns
     -------
     dict with ``run_dir``, ``press``, ``value``, ``compression`` (mean over the samples read), ``finished`` and
-    ``tasks``: task -> ``{"samples", "answers", "outcomes": {outcome: count}}``.
+    ``tasks``: task -> ``{"samples", "answers", "outcomes": {outcome: count}}``; with ``bin_tokens``, each task
+    also has ``"by_position"``: first token of a bin -> ``{outcome: count}`` (bins in order, empty ones left out).
 
     Raises
     ------
@@ -101,6 +114,8 @@ def needle_errors(run_dir: str | Path, tokenizer: Any) -> dict[str, Any]:
         If the run is not of the offline suite, holds no ``niah_*`` sample, or a regenerated sample's answers are
         not those the run recorded (another tokenizer, haystack or generator).
     """
+    if bin_tokens is not None and (isinstance(bin_tokens, bool) or not isinstance(bin_tokens, int) or bin_tokens < 1):
+        raise ValueError(f"bin_tokens must be a positive int (tokens per position bin) or None, got {bin_tokens!r}.")
     run_dir = Path(run_dir)
     config = run_config(run_dir)
     rows, finished = read_predictions(run_dir)
@@ -118,6 +133,7 @@ def needle_errors(run_dir: str | Path, tokenizer: Any) -> dict[str, Any]:
             s["id"]: s for s in ruler.generate_task(task, tokenizer, config["length"], count, config["seed"], text)
         }
         outcomes: Counter[str] = Counter()
+        by_position: dict[int, Counter[str]] = {}
         for row in task_rows:
             sample = samples[row["id"]]
             if list(sample["answers"]) != list(row["answers"]):
@@ -127,37 +143,58 @@ def needle_errors(run_dir: str | Path, tokenizer: Any) -> dict[str, Any]:
                 )
             needles = ruler.needle_values(sample["context"])
             for expected in sample["answers"]:
-                outcomes[classify_answer(row["prediction"], expected, sample["answers"], needles)] += 1
+                outcome = classify_answer(row["prediction"], expected, sample["answers"], needles)
+                outcomes[outcome] += 1
+                if bin_tokens is not None:
+                    start = _needle_position(tokenizer, sample["context"], expected) // bin_tokens * bin_tokens
+                    by_position.setdefault(start, Counter())[outcome] += 1
         tasks[task] = {
             "samples": len(task_rows),
             "answers": sum(outcomes.values()),
             "outcomes": {o: outcomes[o] for o in OUTCOMES},
         }
+        if bin_tokens is not None:
+            tasks[task]["by_position"] = {
+                start: {o: by_position[start][o] for o in OUTCOMES} for start in sorted(by_position)
+            }
     return {
         "run_dir": str(run_dir),
         "press": config.get("press"),
         "value": config.get("value"),
         "compression": sum(float(r["compression_ratio"]) for r in rows) / len(rows),
         "finished": finished,
+        "bin_tokens": bin_tokens,
         "tasks": tasks,
     }
 
 
 def format_errors(results: Sequence[dict[str, Any]]) -> str:
-    """The outcomes as a Markdown table, one row per run and task (shares of the asked numbers, in %)."""
+    """The outcomes as a Markdown table, one row per run and task (shares of the asked numbers, in %); runs
+    counted by position (``bin_tokens``) get a row per position bin too, under their task's."""
+    binned = any(result.get("bin_tokens") for result in results)
     out = [
-        "| run | press | value | evicted | task | asked numbers | " + " | ".join(OUTCOMES) + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(OUTCOMES),
+        "| run | press | value | evicted | task |"
+        + (" needle at tokens |" if binned else "")
+        + " asked numbers | "
+        + " | ".join(OUTCOMES)
+        + " |",
+        "|---|---|---|---|---|" + ("---|" if binned else "") + "---|" + "---|" * len(OUTCOMES),
     ]
+
+    def row(head: str, where: str | None, counts: dict[str, int]) -> str:
+        answers = sum(counts.values())
+        shares = " | ".join(f"{100 * counts[o] / answers:.1f}" for o in OUTCOMES)
+        return head + (f" {where} |" if binned else "") + f" {answers} | {shares} |"
+
     for result in results:
         name = Path(result["run_dir"]).name + ("" if result["finished"] else " (unfinished)")
         value = "-" if result["value"] is None else f"{result['value']:g}"
+        size = result.get("bin_tokens")
         for task, entry in result["tasks"].items():
-            shares = " | ".join(f"{100 * entry['outcomes'][o] / entry['answers']:.1f}" for o in OUTCOMES)
-            out.append(
-                f"| {name} | {result['press']} | {value} | {100 * result['compression']:.1f}% | {task} | "
-                f"{entry['answers']} | {shares} |"
-            )
+            head = f"| {name} | {result['press']} | {value} | {100 * result['compression']:.1f}% | {task} |"
+            out.append(row(head, "all", entry["outcomes"]))
+            for start, counts in entry.get("by_position", {}).items():
+                out.append(row(head, f"{int(start)}-{int(start) + size - 1}", counts))
     return "\n".join(out) + "\n"
 
 
@@ -182,8 +219,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m evaluation errors
         help="the runs' model (Hub id, local directory or short name) whose tokenizer regenerates the samples; "
         "default: the model each run's config.json names",
     )
+    parser.add_argument(
+        "--by-position",
+        type=int,
+        metavar="TOKENS",
+        help="also count the outcomes by where each asked needle sits in the context, in bins of TOKENS tokens "
+        "(a chunked run's chunk size shows which chunk lost its needles)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
+    if args.by_position is not None and args.by_position < 1:
+        parser.error(f"--by-position takes a positive number of tokens, got {args.by_position}.")
     tokenizers: dict[str | None, Any] = {}
     results = []
     try:
@@ -192,7 +238,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m evaluation errors
             name = args.tokenizer or (config.get("sweep") or {}).get("model") or config.get("model")
             if name not in tokenizers:
                 tokenizers[name] = _tokenizer_for(name)
-            results.append(needle_errors(run_dir, tokenizers[name]))
+            results.append(needle_errors(run_dir, tokenizers[name], args.by_position))
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -141,3 +141,42 @@ def test_cli(tmp_path, tokenizer, samples, capsys):
     assert json.loads(capsys.readouterr().out)[0]["tasks"]["niah_multikey"]["answers"] == 4
     assert evaluation_main(["errors", str(tmp_path / "missing")]) == 1
     assert "config.json" in capsys.readouterr().err
+
+
+def test_outcomes_by_needle_position(tmp_path, tokenizer, samples):
+    """Each asked number is counted in the bin of its needle's position (with the char tokenizer, its character
+    offset in the context), and the bins add up to the task's outcomes."""
+    run = _write_run(tmp_path / "run", _rows(samples))
+    bins = 100
+    result = needle_errors(run, tokenizer, bin_tokens=bins)
+    assert result["bin_tokens"] == bins
+    expected: dict[int, dict[str, int]] = {}
+    for sample, outcome in zip(samples["niah_multikey"], ("found", "other needle", "garbled", "lost"), strict=True):
+        (answer,) = sample["answers"]
+        match = next(m for m in ruler.NEEDLE_PATTERN.finditer(sample["context"]) if m.group(2) == answer)
+        start = match.start() // bins * bins
+        expected.setdefault(start, dict.fromkeys(("found", "other needle", "garbled", "lost"), 0))[outcome] += 1
+    mk = result["tasks"]["niah_multikey"]
+    assert mk["by_position"] == dict(sorted(expected.items()))
+    for entry in result["tasks"].values():
+        totals = {o: sum(counts[o] for counts in entry["by_position"].values()) for o in entry["outcomes"]}
+        assert totals == entry["outcomes"]
+    table = format_errors([result])
+    first = next(iter(mk["by_position"]))
+    assert "| niah_multikey | all | 4 | 25.0 | 25.0 | 25.0 | 25.0 |" in table
+    assert f"| niah_multikey | {first}-{first + bins - 1} |" in table
+    # Without bins, no position is counted.
+    assert "by_position" not in needle_errors(run, tokenizer)["tasks"]["niah_multikey"]
+
+
+def test_refuses_bad_bins(tmp_path, tokenizer, samples, capsys):
+    run = _write_run(tmp_path / "run", _rows(samples))
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="bin_tokens must be a positive int"):
+            needle_errors(run, tokenizer, bin_tokens=bad)
+    tokenizer.save_pretrained(tmp_path / "tok")
+    with pytest.raises(SystemExit):
+        evaluation_main(["errors", str(run), "--tokenizer", str(tmp_path / "tok"), "--by-position", "0"])
+    assert "--by-position takes a positive number of tokens" in capsys.readouterr().err
+    assert evaluation_main(["errors", str(run), "--tokenizer", str(tmp_path / "tok"), "--by-position", "400"]) == 0
+    assert "| needle at tokens |" in capsys.readouterr().out
