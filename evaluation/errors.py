@@ -181,7 +181,7 @@ def format_errors(results: Sequence[dict[str, Any]]) -> str:
         "|---|---|---|---|---|" + ("---|" if binned else "") + "---|" + "---|" * len(OUTCOMES),
     ]
 
-    def row(head: str, where: str | None, counts: dict[str, int]) -> str:
+    def row(head: str, where: str, counts: dict[str, int]) -> str:
         answers = sum(counts.values())
         shares = " | ".join(f"{100 * counts[o] / answers:.1f}" for o in OUTCOMES)
         return head + (f" {where} |" if binned else "") + f" {answers} | {shares} |"
