@@ -121,13 +121,20 @@ def _glance_rows(res: Results) -> list[tuple[str, str, str, str]]:
         default = f"chunk:{PREFILL_CHUNK_SIZE}" if f"chunk:{PREFILL_CHUNK_SIZE}" in chunks else None
         if default and "dense" in longest:
             gemma = _gemma_ttft(res.load("gemma_ttft.json"), default)
+            dense = f"{longest['dense']['ratio_to_none']:.2f}x"
+            quiet = [
+                r
+                for r in (res.load("ttft_one_forward.json") or {}).get("results", [])
+                if r["prefill_tokens"] == longest["prefill_tokens"] and "dense" in r
+            ]
+            if quiet:  # timed again alone: the figure the goal is judged on
+                dense = f"**{quiet[0]['dense']['ratio_to_none']:.2f}x** on a quiet host ({dense} on a shared one)"
             rows.append(
                 (
                     f"Time to the first answer token, {longest['prefill_tokens'] // 1024}k context, through the "
                     "pipeline",
                     f"**{longest[default]['ratio_to_none']:.2f}x** no press in chunks of {PREFILL_CHUNK_SIZE} "
-                    f"(opt-in: they lose needles at 4k); one dense forward, the default, "
-                    f"{longest['dense']['ratio_to_none']:.2f}x"
+                    f"(opt-in: they lose needles at 4k); one dense forward, the default, {dense}"
                     f"{gemma}",
                     "goals: <= 0.75x and <= 1.05x",
                     "[Time to first token](#time-to-first-token-and-prefill)",

@@ -335,13 +335,13 @@ TABLES: dict[str, Table] = {
     ),
     "smollm2-4k": Table(
         raw=(SMOL4K,),
-        date="2026-12-02 to 2026-12-03",
-        commit="8efad08 to 1218c28",
+        date="2026-12-02 to 2026-12-07",
+        commit="8efad08 to b46b2e2",
         command=SMOL_COMMAND.replace("2048", "4096").replace("2k", "4k") + " --max-new-tokens 64",
         build=needle_runs,
         rows=(
             ("full cache", "81eac6bf"),
-            *((BUNDLED, d) for d in ("3af5285a", "d2c77be3", "bda9409c", "04fbfa41", "b5fe36f2")),
+            *((BUNDLED, d) for d in ("3af5285a", "d2c77be3", "93ff1abe", "bda9409c", "04fbfa41", "b5fe36f2")),
             (H, "7a6be2bc"),
             (ORACLE, "4bd4db6c"),
         ),

@@ -83,6 +83,28 @@ def test_the_first_token_table_prints_each_runs_ratio_and_the_breakdown(tmp_path
     assert "| 32768, Gemma 3 270M | no press, chunks of 1024 | 100.00 | **0.33x** (0.33, 0.33, 0.33) |  |" in both
     gemma_baseline = "| 32768, Gemma 3 270M | no press | 300.00 |  |  |"
     assert both.index("| 8192 | no press | 20.00 |  |  |") < both.index(gemma_baseline)
+    # One forward timed again alone: its rows and profiled run join both tables, and the glance quotes it.
+    quiet = {
+        "prefill_tokens": 8192,
+        "none": mode(30.0, [1.0] * 3, 0.0),
+        "dense": mode(28.5, [0.93, 0.95, 1.04]),
+        "breakdown": {
+            "none": {"prefill_chunk": {**part, "tokens": 8192}, "decode_step": part},
+            "dense": {"prefill_chunk": {**part, "tokens": 8192}, "decode_step": part},
+        },
+    }
+    (tmp_path / "ttft_one_forward.json").write_text(json.dumps({"meta": {"runs": 3}, "results": [quiet]}))
+    three = _block(tmp_path, "ttft")
+    assert "[ttft_one_forward.json]" in three[0]
+    quiet_row = "| 8192, quiet host | kvzap, one forward | 28.50 | **0.95x** (0.93, 0.95, 1.04) | 70% |"
+    assert three.index("| 8192 | no press | 20.00 |  |  |") < three.index(quiet_row) < three.index(gemma_baseline)
+    breakdown = _block(tmp_path, "ttft-breakdown")
+    assert "[ttft_one_forward.json]" in breakdown[0]
+    quiet_chunk = "| 8192, quiet host | last prefill chunk (8192 tokens) | kvzap, one forward | 1820 | 1000 | 500 |"
+    assert f"{quiet_chunk} 20 | 100 | 200 |" in breakdown
+    assert not [line for line in breakdown if line.startswith("| 8192, quiet host | a decoding step")]
+    glance = "\n".join(_block(tmp_path, "glance"))
+    assert "one dense forward, the default, **0.95x** on a quiet host (1.02x on a shared one)" in glance
 
 
 def test_the_second_model_section_reads_every_gemma_run_and_judges_the_collection(tmp_path):
