@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks.report_alternatives import accuracy_points
+from benchmarks.report_alternatives import EVAL_PRESS, accuracy_points
 from benchmarks.report_common import Results
 
 
@@ -40,6 +40,10 @@ def plot(results_dir: Path | str, out: Path | str, root: Path | str | None = Non
             "(see BENCHMARKS.md for the evaluation command)."
         )
     fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.2), squeeze=False, sharey=True)
+    # One colour a method in every panel, and one legend entry a method (a panel may lack some methods).
+    methods = list(EVAL_PRESS)
+    colours = {method: plt.cm.tab10(i % 10) for i, method in enumerate(methods)}
+    legend: dict[str, tuple[str, object]] = {}
     for ax, length in zip(axes[0], lengths, strict=True):
         for (method, at), point in sorted(points.items()):
             if at != length or (method, at) not in rows:
@@ -48,21 +52,23 @@ def plot(results_dir: Path | str, out: Path | str, root: Path | str | None = Non
             low, high = point["ci"]
             x = row["kv_share_after_prefill"]
             marker = "*" if method.startswith("kvzap") else "o"
-            ax.errorbar(
+            handle = ax.errorbar(
                 x,
                 point["score"],
                 yerr=[[point["score"] - low], [high - point["score"]]],
                 fmt=marker,
                 markersize=11 if marker == "*" else 7,
                 capsize=3,
-                label=row.get("label", method),
+                color=colours.get(method, "black"),
             )
+            legend.setdefault(method, (row.get("label", method), handle))
         ax.set_xscale("log")
         ax.set_xlabel("KV bytes after the prefill / full cache (measured from outside)")
         ax.set_title(f"{length} tokens")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("needle suite score (95% interval)")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    order = sorted(legend, key=lambda method: methods.index(method) if method in methods else len(methods))
+    axes[0][-1].legend([legend[m][1] for m in order], [legend[m][0] for m in order], fontsize=8, loc="lower right")
     fig.suptitle(f"Accuracy against KV memory, {model_name(data['meta']['model'])}", fontsize=10)
     fig.tight_layout()
     out = Path(out)
