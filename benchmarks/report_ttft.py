@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from benchmarks.report_common import Results, _ratio_runs, source
 
-__all__ = ["ttft_block", "ttft_breakdown_block"]
+__all__ = ["QUIET_ONE_FORWARD", "ttft_block", "ttft_breakdown_block"]
 
 MODE_LABELS = {"none": "no press", "dense": "kvzap, one forward", "auto": "kvzap, the pipeline's default"}
 PARTS = ("weights_s", "attention_s", "scoring_s", "bookkeeping_s", "python_and_other_ops_s")
@@ -16,15 +16,14 @@ def _label(mode: str) -> str:
     return MODE_LABELS.get(mode) or f"{'no press' if kind == 'plain' else 'kvzap'}, chunks of {size}"
 
 
-#: The results files of the table: SmolLM2-135M's, its one forward timed again alone on a quiet host, then Gemma 3
-#: 270M's (rows after the first file's name what sets them apart).
-TTFT_FILES = (("ttft.json", ""), ("ttft_one_forward.json", ", quiet host"), ("gemma_ttft.json", ", Gemma 3 270M"))
-#: The files whose profiled runs the breakdown shows (Gemma 3's has none), and the steps it shows of each: the quiet
-#: host's run times the prefill, so its decoding step stays in its raw file.
-BREAKDOWN_FILES = (
-    ("ttft.json", "", ("prefill_chunk", "decode_step")),
-    ("ttft_one_forward.json", ", quiet host", ("prefill_chunk",)),
-)
+#: SmolLM2-135M's one forward against no press, timed again alone on a quiet host (the glance quotes it too).
+QUIET_ONE_FORWARD = "ttft_one_forward.json"
+#: The results files of the table: SmolLM2-135M's, its quiet-host one forward, then Gemma 3 270M's (rows after the
+#: first file's name what sets them apart).
+TTFT_FILES = (("ttft.json", ""), (QUIET_ONE_FORWARD, ", quiet host"), ("gemma_ttft.json", ", Gemma 3 270M"))
+#: The steps the breakdown shows of each file's profiled run (Gemma 3's has none): the quiet host's run times the
+#: prefill, so its decoding step stays in its raw file.
+BREAKDOWN_STEPS = {"ttft.json": ("prefill_chunk", "decode_step"), QUIET_ONE_FORWARD: ("prefill_chunk",)}
 STEP_LABELS = {"prefill_chunk": "last prefill chunk", "decode_step": "a decoding step"}
 
 
@@ -57,8 +56,9 @@ def ttft_breakdown_block(res: Results) -> list[str] | None:
     """Where the time goes: the last prefill chunk and one decoding step, no press against kvzap (one profiled run
     a file, its longest context)."""
     found = []
-    for name, suffix, steps in BREAKDOWN_FILES:
-        bench = res.load(name)
+    for name, suffix in TTFT_FILES:
+        steps = BREAKDOWN_STEPS.get(name)
+        bench = res.load(name) if steps else None
         rows = [r for r in (bench or {}).get("results", []) if "breakdown" in r]
         if rows:  # the longest context: the others are in the raw file
             found.append((name, suffix, steps, bench, max(rows, key=lambda r: r["prefill_tokens"])))
